@@ -1,0 +1,94 @@
+"""The device cache: one flat pytree ``{name: array}`` allocated once at start-up.
+
+Two kinds of entries share one pool type, so hybrid models (GLM-5.3: paged KV for attention
+layers, recurrent-state and conv-state slots for KDA layers) keep all their cache in one
+donated pytree:
+
+* ``PagedSpec`` — per-token data in pages: array ``[num_pages, page_size, *entry_shape]``,
+  addressed through a sequence's page table. Page 0 is a dummy that padded rows write to.
+* ``SlotSpec`` — per-sequence data: array ``[num_slots, *entry_shape]`` (e.g. a KDA state
+  ``[H, K, V]`` fp32, a conv state ``[taps, channels]``), addressed by a sequence's slot.
+  Slot 0 is a dummy; a slot is zeroed before a new sequence uses it.
+
+``axes`` gives the logical axes of ``entry_shape`` for sharding (e.g. ``("kv_heads", None)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from kk_jax.parallel.mesh import sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedSpec:
+    entry_shape: tuple[int, ...]
+    dtype: Any
+    axes: tuple[str | None, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotSpec:
+    entry_shape: tuple[int, ...]
+    dtype: Any
+    axes: tuple[str | None, ...]
+
+
+CacheLayout = dict[str, Union[PagedSpec, SlotSpec]]
+
+
+def _entry_bytes(spec) -> int:
+    return math.prod(spec.entry_shape) * jnp.dtype(spec.dtype).itemsize
+
+
+def bytes_per_page(layout: CacheLayout, page_size: int) -> int:
+    """Bytes one page occupies summed over every paged entry (all shards)."""
+    return sum(page_size * _entry_bytes(s) for s in layout.values() if isinstance(s, PagedSpec))
+
+
+def bytes_per_slot(layout: CacheLayout) -> int:
+    return sum(_entry_bytes(s) for s in layout.values() if isinstance(s, SlotSpec))
+
+
+def pool_shape(spec, num_pages: int, page_size: int, num_slots: int) -> tuple[int, ...]:
+    if isinstance(spec, PagedSpec):
+        return (num_pages, page_size, *spec.entry_shape)
+    return (num_slots, *spec.entry_shape)
+
+
+def pool_sharding(spec, mesh: Mesh):
+    lead = (None, None) if isinstance(spec, PagedSpec) else (None,)
+    return sharding(mesh, lead + tuple(spec.axes))
+
+
+def allocate_pools(layout: CacheLayout, *, num_pages: int, page_size: int, num_slots: int,
+                   mesh: Mesh) -> dict[str, jax.Array]:
+    """Zero-filled pools, each created directly with its sharding (no host copy)."""
+    pools = {}
+    for name, spec in layout.items():
+        shape = pool_shape(spec, num_pages, page_size, num_slots)
+        pools[name] = jax.jit(partial(jnp.zeros, shape, spec.dtype),
+                              out_shardings=pool_sharding(spec, mesh))()
+    return pools
+
+
+def _zero_slots(pools, slots, names):
+    return {n: (a.at[slots].set(0) if n in names else a) for n, a in pools.items()}
+
+
+_zero_slots_jit = jax.jit(_zero_slots, donate_argnums=(0,), static_argnums=(2,))
+
+
+def zero_slots(pools: dict, layout: CacheLayout, slots: jax.Array) -> dict:
+    """Zeroes the given slots of every SlotSpec entry in place (pools are donated)."""
+    names = tuple(sorted(n for n, s in layout.items() if isinstance(s, SlotSpec)))
+    if not names:
+        return pools
+    return _zero_slots_jit(pools, slots, names)

@@ -1,0 +1,214 @@
+"""LLMEngine: requests in, incremental outputs out; one ``step()`` = one device call.
+
+The engine validates a request completely before it touches any queue or pool (DESIGN rule
+6), runs the scheduler's decision through the runner, and turns sampled tokens into text,
+finish reasons and logprobs. Nothing here knows about HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+
+from kk_jax.cache.pages import PageAllocator
+from kk_jax.config import EngineConfig, load_model_config, resolve_dtype
+from kk_jax.engine.request import (Request, RequestError, RequestOutput, SamplingParams, Status,
+                                   TokenLogprob)
+from kk_jax.engine.runner import MAX_STOP_IDS, DecodeRow, ModelRunner, PrefillRow, Sampled
+from kk_jax.engine.scheduler import Scheduler
+from kk_jax.models.registry import model_class
+from kk_jax.parallel.mesh import make_mesh
+from kk_jax.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class _Tracked:
+    """Per-request output state kept beside the scheduler's Request."""
+
+    def __init__(self, req: Request, tokenizer: Tokenizer):
+        self.req = req
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.text = ""              # final text (stop string removed)
+        self.emitted_text = 0       # chars of text already reported
+        self.emitted_limit = 0      # chars of text that may be reported (holds back a possible stop prefix)
+        self.emitted_tokens = 0
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path, *, dtype: str = "auto", config: EngineConfig = EngineConfig(),
+                 progress: bool = True, warmup: bool = True):
+        self.model_dir = Path(model)
+        self.config = config
+        self.model_config = load_model_config(self.model_dir)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.dtype = resolve_dtype(dtype, self.model_config.torch_dtype)
+        self.mesh = make_mesh(config.tp)
+        self.runner = ModelRunner(model_class(self.model_config.architecture), self.model_config, self.model_dir,
+                                  self.dtype, config, self.mesh, progress=progress)
+        self.pages = PageAllocator(self.runner.num_pages)
+        self.scheduler = Scheduler(self.pages, self.runner.buckets, page_size=config.page_size,
+                                   max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=config.max_model_len, decode_steps=config.decode_steps)
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or self.model_config.eos_token_ids)
+        self._rng = random.Random(config.seed)
+        self._tracked: dict[str, _Tracked] = {}
+        self._arrivals = 0
+        self.warmup_report = self.runner.warmup() if warmup else []
+        if warmup:
+            log.info("warm-up compiled %d programs in %.1fs", len(self.warmup_report), self.runner.compile_seconds)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Validates and queues a request; raises RequestError without changing any state."""
+        if request_id in self._tracked:
+            raise RequestError(f"request id {request_id!r} is already in use", "request_id")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        if not ids:
+            raise RequestError("the prompt is empty: give at least one token", "prompt")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise RequestError(f"the prompt has {len(ids)} tokens but this model's maximum context length is "
+                               f"{limit} tokens (--max-model-len); shorten the prompt", "prompt")
+        if len(ids) + params.max_tokens > limit:
+            raise RequestError(f"this model's maximum context length is {limit} tokens, but {len(ids)} prompt "
+                               f"tokens + max_tokens={params.max_tokens} = {len(ids) + params.max_tokens}; "
+                               f"set max_tokens <= {limit - len(ids)}", "max_tokens")
+        stop_ids = self._stop_ids(params)
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise RequestError(f"at most {MAX_STOP_IDS - len(self.eos_token_ids)} stop_token_ids are supported",
+                               "stop_token_ids")
+        seed = params.seed if params.seed is not None else self._rng.randrange(1 << 32)
+        req = Request(request_id, ids, params, seed=seed, arrival=self._arrivals, prompt=text)
+        self._arrivals += 1
+        self._tracked[request_id] = _Tracked(req, self.tokenizer)
+        self.scheduler.add(req)
+
+    def _stop_ids(self, params: SamplingParams) -> list[int]:
+        ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids += [t for t in self.eos_token_ids if t not in ids]
+        return ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stops a request and frees its pages at once; returns its final output."""
+        tr = self._tracked.pop(request_id, None)
+        if tr is None:
+            return None
+        self.scheduler.remove(tr.req)
+        self._finish(tr, "abort")
+        return self._output(tr)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._tracked)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        """Runs one device call; returns an output for every request that progressed or finished."""
+        sched = self.scheduler.schedule()
+        touched: list[_Tracked] = []
+        if sched.prefill:
+            rows = [PrefillRow(w.request.all_token_ids[w.start:w.start + w.length], w.start, w.request.pages,
+                               w.request.params, w.request.seed, len(w.request.output_token_ids))
+                    for w in sched.prefill]
+            for w, res in zip(sched.prefill, self.runner.prefill(rows)):
+                req = w.request
+                req.num_computed = w.start + w.length
+                if req.num_computed == req.num_tokens:        # prompt complete: keep the sample
+                    touched.append(self._append(req, res))
+        elif sched.decode:
+            rows = [DecodeRow(w.request.all_token_ids[-1], w.request.num_tokens - 1, w.request.pages, w.budget,
+                              self._stop_ids(w.request.params), w.request.params, w.request.seed,
+                              len(w.request.output_token_ids)) for w in sched.decode]
+            for w, res in zip(sched.decode, self.runner.decode(rows)):
+                w.request.num_computed += len(res.tokens)
+                touched.append(self._append(w.request, res))
+        outs = []
+        for tr in touched:
+            if tr.req.status == Status.FINISHED:
+                self.scheduler.remove(tr.req)
+                del self._tracked[tr.req.request_id]
+            outs.append(self._output(tr))
+        return outs
+
+    def _append(self, req: Request, res: Sampled) -> _Tracked:
+        tr = self._tracked[req.request_id]
+        p = req.params
+        stop_ids = set(self._stop_ids(p))
+        for tok, lp, tids, tlps in zip(res.tokens, res.logprobs, res.top_ids, res.top_logprobs):
+            req.output_token_ids.append(tok)
+            if p.logprobs is not None:
+                req.logprobs.append(TokenLogprob(tok, lp, dict(zip(tids[:p.logprobs], tlps[:p.logprobs]))))
+            before = len(tr.detok.text)
+            tr.detok.add([tok])
+            if tok in stop_ids:
+                self._finish(tr, "stop")
+                break
+            if p.stop and self._stop_string(tr, before):
+                self._finish(tr, "stop", keep_text=True)
+                break
+            if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+                self._finish(tr, "length")
+                break
+        if req.status != Status.FINISHED:
+            hold = max((len(s) for s in p.stop), default=1) - 1     # may be the start of a stop string
+            tr.text = tr.detok.text
+            tr.emitted_limit = len(tr.text) - hold
+        req.num_computed = min(req.num_computed, req.num_tokens - 1)
+        return tr
+
+    def _stop_string(self, tr: _Tracked, before: int) -> bool:
+        text = tr.detok.text
+        longest = max(len(s) for s in tr.req.params.stop)
+        start = max(0, before - longest + 1)
+        hits = [i for i in (text.find(s, start) for s in tr.req.params.stop) if i >= 0]
+        if not hits:
+            return False
+        tr.text = text[:min(hits)]
+        return True
+
+    def _finish(self, tr: _Tracked, reason: str, keep_text: bool = False) -> None:
+        req = tr.req
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        if not keep_text:
+            tr.text = tr.detok.text
+        tr.emitted_limit = len(tr.text)
+
+    def _output(self, tr: _Tracked) -> RequestOutput:
+        req = tr.req
+        limit = max(tr.emitted_text, tr.emitted_limit)
+        new_text = tr.text[tr.emitted_text:limit]
+        new_tokens = req.output_token_ids[tr.emitted_tokens:]
+        tr.emitted_text, tr.emitted_tokens = limit, len(req.output_token_ids)
+        finished = req.status == Status.FINISHED
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            text=tr.text if finished else tr.text[:limit], token_ids=list(req.output_token_ids),
+            finished=finished, finish_reason=req.finish_reason, new_text=new_text, new_token_ids=new_tokens,
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None, prompt=req.prompt)
+
+    def stats(self) -> dict:
+        """Counters for metrics: pages, queue sizes, host time per device call."""
+        r = self.runner
+        return {"pages_total": self.pages.capacity, "pages_free": self.pages.num_free,
+                "running": self.num_running, "waiting": self.num_waiting, "device_calls": r.device_calls,
+                "host_seconds": r.host_seconds, "compile_seconds": r.compile_seconds}

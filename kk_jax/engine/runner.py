@@ -1,0 +1,327 @@
+"""Model runner: owns weights, cache pools and one compiled program per shape bucket.
+
+The runner turns scheduler decisions into padded device arrays and calls ahead-of-time
+compiled steps (DESIGN rules 2-4):
+
+* ``prefill``: ``[B, T]`` chunk tokens per step for (B, T) in a fixed bucket set, samples the
+  next token at each row's last chunk position.
+* ``decode``: ``decode_steps`` steps of ``[B]`` tokens inside one ``lax.while_loop`` (model →
+  sample → append → stop check), with the pages for those steps reserved beforehand.
+
+Both take ``(weights, pools, batch)``, return ``(pools, outputs)`` and donate ``pools``.
+Weights are flattened once at load into a leaf tuple; the NNX module is re-assembled inside
+the trace, so no pytree walk of modules happens per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from kk_jax.cache.pools import CacheLayout, allocate_pools, bytes_per_page, pool_sharding
+from kk_jax.checkpoint.loader import load_params
+from kk_jax.config import EngineConfig
+from kk_jax.engine.request import MAX_LOGPROBS
+from kk_jax.engine.sampler import SamplingArrays, sample
+from kk_jax.models.attention.paged import AttentionBatch, PagedAttention
+from kk_jax.parallel.mesh import check_divisible
+
+log = logging.getLogger(__name__)
+
+MAX_STOP_IDS = 16
+
+
+def pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def resolve_backend(name: str) -> str:
+    """``auto`` = Pallas kernels on an NVIDIA GPU, the jnp twins elsewhere."""
+    if name != "auto":
+        return name
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+def kv_dtype(name: str, model_dtype):
+    return {"auto": model_dtype, "bfloat16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The fixed shapes compiled at start-up."""
+
+    decode: tuple[int, ...]                      # batch sizes
+    prefill: tuple[tuple[int, int], ...]         # (batch, tokens per row), B*T <= token budget
+
+    @staticmethod
+    def make(max_num_seqs: int, max_num_batched_tokens: int) -> "Buckets":
+        top = pow2_at_least(max_num_seqs)
+        decode = tuple(1 << i for i in range(top.bit_length()))
+        t_min = min(16, pow2_at_least(max_num_batched_tokens))
+        ts = sorted({1 << i for i in range(t_min.bit_length() - 1, 31) if (1 << i) < max_num_batched_tokens}
+                    | {max_num_batched_tokens})
+        ts = [t for t in ts if t >= t_min]
+        prefill = tuple((b, t) for t in ts for b in decode if b * t <= max_num_batched_tokens)
+        return Buckets(decode, prefill)
+
+    def decode_batch(self, n: int) -> int:
+        return next(b for b in self.decode if b >= n)
+
+    def prefill_tokens(self, chunk: int) -> int:
+        """Smallest token bucket holding ``chunk`` tokens."""
+        return next(t for (_, t) in self.prefill if t >= chunk)
+
+    def prefill_batch(self, n: int, t: int) -> int | None:
+        return next((b for (b, tt) in self.prefill if tt == t and b >= n), None)
+
+
+@dataclasses.dataclass
+class PrefillRow:
+    tokens: list[int]            # the chunk
+    start: int                   # position of tokens[0]
+    pages: list[int]
+    params: object               # SamplingParams
+    seed: int
+    token_index: int             # index of the token sampled at the chunk end
+
+
+@dataclasses.dataclass
+class DecodeRow:
+    token: int                   # last token (its K/V not yet in the cache)
+    position: int
+    pages: list[int]
+    budget: int                  # max tokens to generate in this call
+    stop_ids: list[int]
+    params: object
+    seed: int
+    token_index: int
+
+
+@dataclasses.dataclass
+class Sampled:
+    """Host copies of sampler outputs for one row: generated tokens with their logprobs."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+class ModelRunner:
+    def __init__(self, model_cls, model_cfg, model_dir: Path, dtype, cfg: EngineConfig, mesh: Mesh,
+                 progress: bool = True):
+        self.cfg, self.mesh, self.model_cfg = cfg, mesh, model_cfg
+        check_divisible(mesh, **model_cls.divisible_sizes(model_cfg))
+        self.backend = resolve_backend(cfg.kernel_backend)
+        self.max_pages_per_seq = math.ceil(cfg.max_model_len / cfg.page_size)
+        self.buckets = Buckets.make(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+
+        abstract = nnx.eval_shape(lambda: model_cls(model_cfg, dtype))
+        self.graphdef, state = nnx.split(abstract)
+        flat = nnx.to_flat_state(state)
+        expected = {".".join(map(str, path)): (v.shape, v.axes) for path, v in flat}
+        t0 = time.perf_counter()
+        params = load_params(model_dir, expected, dtype, mesh, progress=progress)
+        pure = {}
+        for path, _ in flat:
+            node = pure
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = params[".".join(map(str, path))]
+        nnx.replace_by_pure_dict(state, pure)
+        self.weights, self.treedef = jax.tree.flatten(state)
+        self.weights = tuple(self.weights)
+        self.weight_bytes = sum(w.nbytes for w in self.weights)
+        log.info("loaded %d tensors (%.1f MB) in %.2fs", len(params), self.weight_bytes / 1e6,
+                 time.perf_counter() - t0)
+
+        self.layout: CacheLayout = model_cls.cache_layout(model_cfg, kv_dtype(cfg.kv_cache_dtype, dtype))
+        self.num_pages = cfg.num_pages or self._pages_from_budget()
+        if self.num_pages - 1 < self.max_pages_per_seq:
+            raise ValueError(f"the KV cache holds {self.num_pages - 1} pages of {cfg.page_size} tokens, fewer than "
+                             f"one sequence of max_model_len={cfg.max_model_len} needs ({self.max_pages_per_seq}); "
+                             "raise --num-pages/--gpu-memory-utilization or lower --max-model-len")
+        self.pools = allocate_pools(self.layout, num_pages=self.num_pages, page_size=cfg.page_size,
+                                    num_slots=cfg.max_num_seqs + 1, mesh=mesh)
+        self.pool_shardings = {n: pool_sharding(s, mesh) for n, s in self.layout.items()}
+        self.attn = PagedAttention(mesh=mesh, backend=self.backend, scale=1.0 / math.sqrt(model_cfg.head_dim))
+        self._compiled: dict = {}
+        self.compile_seconds = 0.0
+        self.host_seconds = 0.0      # host time spent packing inputs and unpacking outputs
+        self.device_calls = 0
+
+    # ---------------------------------------------------------------- memory
+    def _pages_from_budget(self) -> int:
+        """Pages that fit in gpu_memory_utilization of device memory after the weights."""
+        stats = self.mesh.devices.flat[0].memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        if not limit:   # CPU: no memory statistics; size for max_num_seqs full-length sequences
+            return self.cfg.max_num_seqs * self.max_pages_per_seq + 1
+        tp = self.mesh.shape["tp"]
+        free = limit * self.cfg.gpu_memory_utilization - stats.get("bytes_in_use", 0)
+        per_page = bytes_per_page(self.layout, self.cfg.page_size) / tp
+        # keep room for activations of the largest prefill bucket
+        return max(2, int(free * 0.9 // per_page))
+
+    # ---------------------------------------------------------------- step functions
+    def _model(self, weights):
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, list(weights)))
+
+    def _prefill_fn(self, weights, pools, tokens, positions, valid, page_table, kv_lens, last_idx, sa,
+                    token_index):
+        model = self._model(weights)
+        batch = AttentionBatch(positions, valid, page_table, kv_lens)
+        h, pools = model(tokens, batch, pools, self.attn)
+        h_last = jnp.take_along_axis(h, last_idx[:, None, None], axis=1)[:, 0]       # [B, hidden]
+        return pools, sample(model.logits(h_last), sa, token_index)
+
+    def _decode_fn(self, weights, pools, tokens, positions, page_table, active, budget, stop_ids, sa,
+                   token_index):
+        model = self._model(weights)
+        n_steps, b = self.cfg.decode_steps, tokens.shape[0]
+        k = min(MAX_LOGPROBS, self.model_cfg.vocab_size)
+        outs = (jnp.zeros((n_steps, b), jnp.int32), jnp.zeros((n_steps, b), jnp.float32),
+                jnp.zeros((n_steps, b, k), jnp.int32), jnp.zeros((n_steps, b, k), jnp.float32))
+
+        def cond(c):
+            i, _, _, _, active, _, _, _ = c
+            return (i < n_steps) & jnp.any(active)
+
+        def body(c):
+            i, pools, tokens, positions, active, token_index, n_gen, outs = c
+            batch = AttentionBatch(positions[:, None], active[:, None], page_table,
+                                   jnp.where(active, positions + 1, 0))
+            h, pools = model(tokens[:, None], batch, pools, self.attn)
+            nxt, lp, top_ids, top_lp = sample(model.logits(h[:, 0]), sa, token_index)
+            outs = tuple(o.at[i].set(x) for o, x in zip(outs, (nxt, lp, top_ids, top_lp)))
+            n_gen = n_gen + active
+            stopped = jnp.any(nxt[:, None] == stop_ids, axis=-1)
+            inc = active.astype(jnp.int32)
+            new_active = active & ~stopped & (n_gen < budget)
+            return (i + 1, pools, jnp.where(active, nxt, tokens), positions + inc, new_active,
+                    token_index + inc, n_gen, outs)
+
+        init = (jnp.int32(0), pools, tokens, positions, active & (budget > 0), token_index,
+                jnp.zeros((b,), jnp.int32), outs)
+        _, pools, _, _, _, _, n_gen, outs = jax.lax.while_loop(cond, body, init)
+        return pools, (n_gen, outs)
+
+    # ---------------------------------------------------------------- compilation
+    def _abstract_inputs(self, kind: str, b: int, t: int):
+        rep = NamedSharding(self.mesh, P())
+        sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+        mp = self.max_pages_per_seq
+        sa = SamplingArrays(sds((b,), jnp.float32), sds((b,), jnp.int32), sds((b,), jnp.float32),
+                            sds((b,), jnp.float32), sds((b,), jnp.uint32))
+        weights = tuple(jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=w.sharding) for w in self.weights)
+        pools = {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for n, a in self.pools.items()}
+        if kind == "prefill":
+            return (weights, pools, sds((b, t), jnp.int32), sds((b, t), jnp.int32), sds((b, t), jnp.bool_),
+                    sds((b, mp), jnp.int32), sds((b,), jnp.int32), sds((b,), jnp.int32), sa, sds((b,), jnp.int32))
+        return (weights, pools, sds((b,), jnp.int32), sds((b,), jnp.int32), sds((b, mp), jnp.int32),
+                sds((b,), jnp.bool_), sds((b,), jnp.int32), sds((b, MAX_STOP_IDS), jnp.int32), sa,
+                sds((b,), jnp.int32))
+
+    def _compile(self, kind: str, b: int, t: int = 1):
+        key = (kind, b, t)
+        if key not in self._compiled:
+            fn = self._prefill_fn if kind == "prefill" else self._decode_fn
+            rep = NamedSharding(self.mesh, P())
+            jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=(self.pool_shardings, rep))
+            t0 = time.perf_counter()
+            self._compiled[key] = jitted.lower(*self._abstract_inputs(kind, b, t)).compile()
+            dt = time.perf_counter() - t0
+            self.compile_seconds += dt
+            log.info("compiled %s B=%d T=%d in %.2fs", kind, b, t, dt)
+        return self._compiled[key]
+
+    def warmup(self) -> list[tuple[str, int, int, float]]:
+        """Compiles every bucket; returns (kind, B, T, seconds) per program."""
+        report = []
+        for kind, shapes in (("decode", [(b, 1) for b in self.buckets.decode]), ("prefill", self.buckets.prefill)):
+            for b, t in shapes:
+                t0 = time.perf_counter()
+                self._compile(kind, b, t)
+                report.append((kind, b, t, time.perf_counter() - t0))
+        return report
+
+    # ---------------------------------------------------------------- execution
+    def _page_table(self, rows_pages: list[list[int]], b: int) -> np.ndarray:
+        table = np.zeros((b, self.max_pages_per_seq), np.int32)
+        for i, pages in enumerate(rows_pages):
+            table[i, : len(pages)] = pages
+        return table
+
+    def prefill(self, rows: list[PrefillRow]) -> list[Sampled]:
+        """Runs one chunk per row; returns each row's token sampled at its chunk end."""
+        h0 = time.perf_counter()
+        t = self.buckets.prefill_tokens(max(len(r.tokens) for r in rows))
+        b = self.buckets.prefill_batch(len(rows), t)
+        tokens = np.zeros((b, t), np.int32)
+        positions = np.zeros((b, t), np.int32)
+        valid = np.zeros((b, t), bool)
+        kv_lens = np.zeros((b,), np.int32)
+        last = np.zeros((b,), np.int32)
+        tidx = np.zeros((b,), np.int32)
+        for i, r in enumerate(rows):
+            n = len(r.tokens)
+            tokens[i, :n] = r.tokens
+            positions[i, :n] = np.arange(r.start, r.start + n)
+            valid[i, :n] = True
+            kv_lens[i] = r.start + n
+            last[i] = n - 1
+            tidx[i] = r.token_index
+        sa = SamplingArrays.from_params([r.params for r in rows] + [None] * (b - len(rows)),
+                                        [r.seed for r in rows] + [0] * (b - len(rows)), b)
+        fn = self._compile("prefill", b, t)
+        args = (tokens, positions, valid, self._page_table([r.pages for r in rows], b), kv_lens, last, sa, tidx)
+        h1 = time.perf_counter()
+        self.pools, out = fn(self.weights, self.pools, *args)
+        nxt, lp, top_ids, top_lp = jax.device_get(out)
+        h2 = time.perf_counter()
+        res = [Sampled([int(nxt[i])], [float(lp[i])], [top_ids[i].tolist()], [top_lp[i].tolist()])
+               for i in range(len(rows))]
+        self._account(h1 - h0 + time.perf_counter() - h2)
+        return res
+
+    def decode(self, rows: list[DecodeRow]) -> list[Sampled]:
+        """Runs up to ``decode_steps`` tokens per row in one device call."""
+        h0 = time.perf_counter()
+        b = self.buckets.decode_batch(len(rows))
+        tokens = np.zeros((b,), np.int32)
+        positions = np.zeros((b,), np.int32)
+        active = np.zeros((b,), bool)
+        budget = np.zeros((b,), np.int32)
+        stop = np.full((b, MAX_STOP_IDS), -1, np.int32)
+        tidx = np.zeros((b,), np.int32)
+        for i, r in enumerate(rows):
+            tokens[i], positions[i], active[i], budget[i], tidx[i] = r.token, r.position, True, r.budget, r.token_index
+            stop[i, : len(r.stop_ids)] = r.stop_ids
+        sa = SamplingArrays.from_params([r.params for r in rows] + [None] * (b - len(rows)),
+                                        [r.seed for r in rows] + [0] * (b - len(rows)), b)
+        fn = self._compile("decode", b)
+        args = (tokens, positions, self._page_table([r.pages for r in rows], b), active, budget, stop, sa, tidx)
+        h1 = time.perf_counter()
+        self.pools, out = fn(self.weights, self.pools, *args)
+        n_gen, (toks, lps, top_ids, top_lps) = jax.device_get(out)
+        h2 = time.perf_counter()
+        res = []
+        for i in range(len(rows)):
+            n = int(n_gen[i])
+            res.append(Sampled(toks[:n, i].tolist(), lps[:n, i].tolist(), top_ids[:n, i].tolist(),
+                               top_lps[:n, i].tolist()))
+        self._account(h1 - h0 + time.perf_counter() - h2)
+        return res
+
+    def _account(self, host_s: float) -> None:
+        self.host_seconds += host_s
+        self.device_calls += 1

@@ -1,0 +1,79 @@
+"""On-device sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Runs inside the jitted step. A request's randomness depends only on its seed and the index
+of the token being sampled, never on its batch row or neighbours, so sampled outputs are
+reproducible under any batching. Logprobs are those of the unmodified model distribution
+(vLLM's default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kk_jax.engine.request import MAX_LOGPROBS, SamplingParams
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingArrays:
+    """Per-row sampling parameters [B]."""
+
+    temperature: jax.Array   # f32, 0 = greedy
+    top_k: jax.Array         # i32, <= 0 disables
+    top_p: jax.Array         # f32
+    min_p: jax.Array         # f32
+    seed: jax.Array          # u32
+
+    @staticmethod
+    def from_params(params: list[SamplingParams | None], seeds: list[int], rows: int) -> "SamplingArrays":
+        """Host-side packing; padded rows (None) sample greedily."""
+        t = np.zeros(rows, np.float32); k = np.zeros(rows, np.int32)
+        p = np.ones(rows, np.float32); m = np.zeros(rows, np.float32); s = np.zeros(rows, np.uint32)
+        for i, (sp, seed) in enumerate(zip(params, seeds)):
+            if sp is None:
+                continue
+            t[i], k[i], p[i], m[i], s[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p, seed % (1 << 32)
+        return SamplingArrays(t, k, p, m, s)
+
+
+def _filter(scaled: jax.Array, sa: SamplingArrays) -> jax.Array:
+    """Masks tokens outside top-k / top-p / min-p with -inf. scaled [B, V] fp32."""
+    vocab = scaled.shape[-1]
+    vals = -jnp.sort(-scaled, axis=-1)                                   # [B, V] descending
+    probs = jax.nn.softmax(vals, axis=-1)
+    cum = jnp.cumsum(probs, axis=-1)
+    rank = jnp.arange(vocab)[None, :]
+    keep = (cum - probs) < sa.top_p[:, None]
+    keep &= (sa.top_k[:, None] <= 0) | (rank < sa.top_k[:, None])
+    keep &= probs >= sa.min_p[:, None] * probs[:, :1]
+    keep = keep.at[:, 0].set(True)
+    cutoff = jnp.min(jnp.where(keep, vals, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+
+
+def sample(logits: jax.Array, sa: SamplingArrays, token_index: jax.Array):
+    """logits [B, V] fp32; token_index [B] (index of the token being generated per request).
+
+    Returns tokens [B] i32, logprob [B] f32, top_ids [B, 20] i32, top_logprobs [B, 20] f32.
+    """
+    logits = logits.astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    temp = jnp.where(sa.temperature > 0, sa.temperature, 1.0)
+    scaled = logits / temp[:, None]
+    needs_filter = jnp.any((sa.temperature > 0) & ((sa.top_k > 0) | (sa.top_p < 1.0) | (sa.min_p > 0.0)))
+    scaled = jax.lax.cond(needs_filter, _filter, lambda x, _: x, scaled, sa)
+
+    def draw(row_logits, seed, idx):
+        key = jax.random.fold_in(jax.random.key(seed), idx)
+        return jax.random.categorical(key, row_logits).astype(jnp.int32)
+
+    drawn = jax.vmap(draw)(scaled, sa.seed, token_index)
+    tokens = jnp.where(sa.temperature > 0, drawn, greedy)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logits.shape[-1]))
+    return tokens, chosen, top_ids.astype(jnp.int32), top_lp

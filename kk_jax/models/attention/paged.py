@@ -1,0 +1,110 @@
+"""Attention over a paged KV cache: write this step's K/V into pages, then attend.
+
+Prefill (T > 1 tokens per sequence) gathers each sequence's pages into a contiguous
+``[S, Hkv, D]`` view and runs causal attention with an explicit position mask (queries at
+absolute positions, so a later chunk of a chunked prefill sees the earlier chunks). On the
+GPU that is tokamax's Mosaic GPU flash attention; elsewhere a jnp twin. Decode (T == 1) runs
+``pallas_kernels.paged_attention`` directly on the pages.
+
+Everything per head runs inside ``jax.shard_map`` over ``tp``: each shard owns its query
+heads and the matching kv heads of the pool (DESIGN rule 8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from kk_jax.parallel.mesh import shard_heads
+from pallas_kernels.paged_attention import paged_decode_attention
+
+_MASKED = -1e30  # finite: fully masked (padding) rows stay NaN-free
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AttentionBatch:
+    """Per-step attention metadata (device arrays).
+
+    positions  [B, T] int32  absolute position of each token
+    valid      [B, T] bool   real tokens; padded tokens write K/V to the dummy page 0
+    page_table [B, max_pages] int32  pages of each sequence; unused entries are 0
+    kv_lens    [B] int32     tokens in the cache after this step (0 for padded rows)
+    """
+
+    positions: jax.Array
+    valid: jax.Array
+    page_table: jax.Array
+    kv_lens: jax.Array
+
+
+def write_kv(k_pages, v_pages, k, v, positions, valid, page_table):
+    """Scatters k/v [B, T, Hkv, D] into pages [P, page_size, Hkv, D] at their positions."""
+    page_size = k_pages.shape[1]
+    page = jnp.take_along_axis(page_table, positions // page_size, axis=1)   # [B, T]
+    page = jnp.where(valid, page, 0)
+    off = positions % page_size
+    k_pages = k_pages.at[page, off].set(k.astype(k_pages.dtype))
+    v_pages = v_pages.at[page, off].set(v.astype(v_pages.dtype))
+    return k_pages, v_pages
+
+
+def prefill_attention_reference(q, k, v, positions, kv_lens, scale):
+    """jnp causal GQA attention. q [B, T, Hq, D]; k, v [B, S, Hkv, D] -> [B, T, Hq, D]."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    key_pos = jnp.arange(k.shape[1])
+    mask = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < kv_lens[:, None, None])
+    s = jnp.where(mask[:, None, None], s, _MASKED)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def prefill_attention_tokamax(q, k, v, positions, kv_lens, scale):
+    """Same contract as the reference, on tokamax's Mosaic GPU flash attention (sm90)."""
+    import tokamax
+
+    key_pos = jnp.arange(k.shape[1])
+    mask = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < kv_lens[:, None, None])
+    return tokamax.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation="mosaic")
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttention:
+    """The attention op a model layer calls; fixed per server (mesh, backend, pool scales)."""
+
+    mesh: Mesh
+    backend: str            # "pallas" | "xla"
+    scale: float
+
+    def __call__(self, q, k, v, k_pages, v_pages, batch: AttentionBatch):
+        """q [B, T, Hq, D]; k, v [B, T, Hkv, D] -> (o [B, T, Hq, D], k_pages, v_pages)."""
+        decode = q.shape[1] == 1
+        backend, scale = self.backend, self.scale
+
+        def per_shard(q, k, v, k_pages, v_pages, positions, valid, page_table, kv_lens):
+            k_pages, v_pages = write_kv(k_pages, v_pages, k, v, positions, valid, page_table)
+            if decode:
+                o = paged_decode_attention(q[:, 0], k_pages, v_pages, page_table, kv_lens,
+                                           scale=scale, backend=backend)[:, None]
+            else:
+                b, maxp = page_table.shape
+                ps = k_pages.shape[1]
+                kc = k_pages[page_table].reshape(b, maxp * ps, *k_pages.shape[2:]).astype(q.dtype)
+                vc = v_pages[page_table].reshape(b, maxp * ps, *v_pages.shape[2:]).astype(q.dtype)
+                attend = prefill_attention_tokamax if backend == "pallas" else prefill_attention_reference
+                o = attend(q, kc, vc, positions, kv_lens, scale)
+            return o, k_pages, v_pages
+
+        heads = (None, None, "heads", None)
+        kv_heads = (None, None, "kv_heads", None)
+        fn = shard_heads(per_shard, self.mesh,
+                         in_axes=(heads, kv_heads, kv_heads, kv_heads, kv_heads, None, None, None, None),
+                         out_axes=(heads, kv_heads, kv_heads))
+        return fn(q, k, v, k_pages, v_pages, batch.positions, batch.valid, batch.page_table, batch.kv_lens)

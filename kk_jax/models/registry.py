@@ -1,0 +1,12 @@
+"""Architecture name (``config.json`` ``architectures[0]``) -> model class."""
+
+from kk_jax.config import ConfigError
+from kk_jax.models.qwen3 import Qwen3ForCausalLM
+
+MODELS = {"Qwen3ForCausalLM": Qwen3ForCausalLM}
+
+
+def model_class(architecture: str):
+    if architecture not in MODELS:
+        raise ConfigError(f"unknown architecture {architecture!r}; supported: {', '.join(sorted(MODELS))}")
+    return MODELS[architecture]
