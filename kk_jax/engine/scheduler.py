@@ -48,6 +48,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()   # not yet admitted (or preempted)
         self.running: list[Request] = []                                  # admitted, hold pages
         self._last_was_prefill = False
+        self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
@@ -93,6 +94,7 @@ class Scheduler:
         self._release(req)
         req.status = Status.WAITING
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
         sched.preempted.append(req)
 

@@ -1,0 +1,159 @@
+"""Engine behaviour: compile-once, donation, preemption, batch invariance, stops, aborts, errors."""
+
+import random
+
+import jax
+import pytest
+
+from kk_jax import LLM, SamplingParams
+from kk_jax.engine.request import RequestError
+
+LIMITS = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, decode_steps=4,
+              progress=False)
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt):
+    return LLM(tiny_ckpt, **LIMITS)
+
+
+def random_requests(n, vocab, seed):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 60))] for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 30), **GREEDY) for _ in range(n)]
+    return prompts, params
+
+
+def test_warmup_compiles_every_bucket_and_nothing_after(llm):
+    report = llm.engine.warmup_report
+    kinds = {(k, b, t) for k, b, t, _ in report}
+    assert ("decode", 8, 1) in kinds and ("prefill", 1, 64) in kinds and ("prefill", 4, 16) in kinds
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: compiles.append(name) if name.endswith("backend_compile_duration") else None)
+    rng = random.Random(7)
+    prompts, _ = random_requests(12, llm.engine.model_config.vocab_size, seed=3)
+    params = [SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0.0, 0.7, 1.0]),
+                             top_k=rng.choice([-1, 5]), top_p=rng.choice([1.0, 0.9]), min_p=rng.choice([0.0, 0.1]),
+                             logprobs=rng.choice([None, 2]), seed=rng.choice([None, 5]))
+              for _ in prompts]
+    n_before = len(compiles)
+    llm.generate(prompts, params)
+    assert compiles[n_before:] == []
+
+
+def test_step_donates_the_cache_pools(llm):
+    engine = llm.engine
+    before = dict(engine.runner.pools)
+    engine.add_request("donate", [1, 2, 3], SamplingParams(max_tokens=2, **GREEDY))
+    while engine.has_unfinished():
+        engine.step()
+    assert all(a.is_deleted() for a in before.values())
+
+
+def test_fifty_concurrent_requests_match_each_run_alone(llm):
+    prompts, params = random_requests(50, llm.engine.model_config.vocab_size, seed=11)
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    assert together == alone
+    assert [len(t) for t in together] == [p.max_tokens for p in params]
+    assert llm.engine.pages.num_free == llm.engine.pages.capacity
+
+
+def test_preempted_requests_give_the_same_greedy_tokens(tiny_ckpt, llm):
+    prompts, _ = random_requests(6, llm.engine.model_config.vocab_size, seed=5)
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    small = LLM(tiny_ckpt, num_pages=12, **LIMITS)          # 11 pages of 16 tokens for 6 x ~4 pages
+    got = small.generate(prompts, params)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in llm.generate(prompts, params)]
+    assert small.engine.pages.num_free == small.engine.pages.capacity
+
+
+def test_chunked_prefill_of_long_prompt_matches_short_budget(tiny_ckpt, llm):
+    prompt = list(range(3, 100))                               # 97 tokens > the 64-token budget
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, **GREEDY))[0]
+    assert len(out.token_ids) == 8
+
+
+def test_abort_frees_pages_immediately(llm):
+    engine = llm.engine
+    for i in range(5):
+        engine.add_request(f"abort-{i}", list(range(1, 30)), SamplingParams(max_tokens=50, **GREEDY))
+    engine.step()
+    engine.step()
+    assert engine.pages.num_free < engine.pages.capacity
+    outs = [engine.abort(f"abort-{i}") for i in range(5)]
+    assert all(o.finish_reason == "abort" and o.finished for o in outs)
+    assert engine.pages.num_free == engine.pages.capacity and not engine.has_unfinished()
+
+
+def test_stop_strings_are_honoured_and_not_emitted(llm):
+    prompt = "Hello, how are you today?"
+    base = llm.generate(prompt, SamplingParams(max_tokens=30, **GREEDY))[0]
+    text = base.text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    assert stop.strip(), text
+    out = llm.generate(prompt, SamplingParams(max_tokens=30, stop=[stop], **GREEDY))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[: text.index(stop)]
+    assert stop not in out.text
+
+
+def test_stop_token_ids_and_eos(llm):
+    base = llm.generate([5, 6, 7], SamplingParams(max_tokens=20, **GREEDY))[0]
+    stop_tok = base.token_ids[6]
+    out = llm.generate([5, 6, 7], SamplingParams(max_tokens=20, stop_token_ids=[stop_tok], **GREEDY))[0]
+    first = base.token_ids.index(stop_tok)
+    assert out.token_ids == base.token_ids[: first + 1] and out.finish_reason == "stop"
+    assert base.finish_reason == "length"
+
+
+def test_logprobs_are_reported(llm):
+    out = llm.generate([1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0, logprobs=3, ignore_eos=True))[0]
+    assert len(out.logprobs) == 5
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == tok and lp.logprob <= 0 and len(lp.top) == 3
+        assert max(lp.top, key=lp.top.get) == tok                  # greedy = the top-1 alternative
+        assert abs(lp.top[tok] - lp.logprob) < 1e-5
+
+
+def test_seeded_sampling_is_independent_of_batch(llm):
+    p = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = llm.generate([[4, 5, 6]], p)[0].token_ids
+    noise = [SamplingParams(max_tokens=15, temperature=1.0, ignore_eos=True)] * 3
+    mixed = llm.generate([[9, 9], [4, 5, 6], [1], [2, 3]], [noise[0], p, noise[1], noise[2]])
+    assert mixed[1].token_ids == alone
+    other = llm.generate([[4, 5, 6]], SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=99,
+                                                      ignore_eos=True))[0].token_ids
+    assert other != alone
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    (list(range(1, 200)), SamplingParams(max_tokens=1), "maximum context length is 128"),
+    (list(range(1, 100)), SamplingParams(max_tokens=50), "set max_tokens <= 29"),
+    ([], SamplingParams(), "prompt is empty"),
+    ([10 ** 6], SamplingParams(), "outside the vocabulary"),
+])
+def test_bad_requests_are_rejected_and_engine_keeps_running(llm, prompt, params, match):
+    free = llm.engine.pages.num_free
+    with pytest.raises(RequestError, match=match):
+        llm.generate([prompt], params)
+    assert llm.engine.pages.num_free == free and not llm.engine.has_unfinished()
+    assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=3, **GREEDY))[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_tokens=0), "max_tokens must be at least 1"),
+    (dict(temperature=-0.5), "temperature must be non-negative"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-2), "top_k must be -1"),
+    (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
+    (dict(logprobs=21), "logprobs must be between 0 and 20"),
+    (dict(stop=[""]), "stop strings must be non-empty"),
+])
+def test_invalid_sampling_params(kwargs, match):
+    with pytest.raises(RequestError, match=match):
+        SamplingParams(**kwargs)

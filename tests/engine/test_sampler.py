@@ -1,0 +1,48 @@
+"""The on-device sampler against its definition on small, hand-checkable distributions."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kk_jax.engine.request import SamplingParams
+from kk_jax.engine.sampler import SamplingArrays, sample
+
+LOGITS = jnp.log(jnp.array([[0.5, 0.25, 0.15, 0.1]], jnp.float32))
+
+
+def draw(params: SamplingParams, n=400, logits=LOGITS):
+    sa = SamplingArrays.from_params([params] * n, [params.seed or 0] * n, n)
+    fn = jax.jit(lambda lg, sa, idx: sample(lg, sa, idx)[0])
+    return np.asarray(fn(jnp.repeat(logits, n, 0), sa, jnp.arange(n, dtype=jnp.int32)))
+
+
+def test_greedy_picks_argmax():
+    assert (draw(SamplingParams(temperature=0.0)) == 0).all()
+
+
+def test_temperature_one_follows_the_distribution():
+    counts = np.bincount(draw(SamplingParams(temperature=1.0, seed=3), n=4000), minlength=4) / 4000
+    np.testing.assert_allclose(counts, [0.5, 0.25, 0.15, 0.1], atol=0.03)
+
+
+def test_top_k_top_p_min_p_restrict_the_support():
+    assert set(draw(SamplingParams(temperature=1.0, top_k=2, seed=1))) == {0, 1}
+    assert set(draw(SamplingParams(temperature=1.0, top_p=0.7, seed=1))) == {0, 1}    # 0.5 + 0.25 >= 0.7
+    assert set(draw(SamplingParams(temperature=1.0, min_p=0.4, seed=1))) == {0, 1}    # p >= 0.2
+    assert set(draw(SamplingParams(temperature=1.0, top_p=0.4, seed=1))) == {0}
+
+
+def test_logprobs_are_of_the_unmodified_distribution():
+    sa = SamplingArrays.from_params([SamplingParams(temperature=0.5, top_k=1)], [0], 1)
+    tok, lp, top_ids, top_lp = sample(LOGITS, sa, jnp.zeros((1,), jnp.int32))
+    assert int(tok[0]) == 0
+    np.testing.assert_allclose(float(lp[0]), np.log(0.5), rtol=1e-5)
+    np.testing.assert_allclose(np.exp(np.asarray(top_lp[0])), [0.5, 0.25, 0.15, 0.1], rtol=1e-5)
+    assert list(np.asarray(top_ids[0])) == [0, 1, 2, 3]
+
+
+def test_samples_depend_on_seed_and_token_index_only():
+    a = draw(SamplingParams(temperature=1.0, seed=5), n=64)
+    b = draw(SamplingParams(temperature=1.0, seed=5), n=64)
+    c = draw(SamplingParams(temperature=1.0, seed=6), n=64)
+    assert (a == b).all() and (a != c).any()
