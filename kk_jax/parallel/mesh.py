@@ -57,13 +57,13 @@ def check_divisible(mesh: Mesh, **sizes: int) -> None:
         raise ParallelError(f"tp={tp} must divide {', '.join(bad)}; choose a tp that divides them")
 
 
-def shard_heads(fn: Callable, mesh: Mesh, in_axes: Sequence, out_axes) -> Callable:
-    """Wraps ``fn`` in ``jax.shard_map`` with per-argument logical axes.
+def shard_heads(fn: Callable, mesh: Mesh, in_axes: Sequence, out_axes: Sequence) -> Callable:
+    """Wraps ``fn`` in ``jax.shard_map`` with per-array logical axes.
 
-    ``in_axes``/``out_axes`` hold a tuple of logical names per array (or None for a
-    replicated argument). Each shard sees only its heads; no collectives happen inside.
+    ``in_axes`` / ``out_axes`` hold one entry per argument / per returned array: a tuple of
+    logical names, or None for a replicated array. Each shard sees only its heads; no
+    collectives happen inside.
     """
     to_spec = lambda a: P() if a is None else spec(a)
-    out = jax.tree.map(to_spec, out_axes, is_leaf=lambda x: isinstance(x, tuple) or x is None)
     return jax.shard_map(fn, mesh=mesh, in_specs=tuple(to_spec(a) for a in in_axes),
-                         out_specs=out, check_vma=False)
+                         out_specs=tuple(to_spec(a) for a in out_axes), check_vma=False)
