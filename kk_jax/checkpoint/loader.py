@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 from tqdm import tqdm
@@ -64,3 +65,19 @@ def load_params(model_dir: str | Path, expected: dict[str, tuple[tuple[int, ...]
         out[name] = jax.make_array_from_callback(
             tuple(shape), sharding(mesh, axes), lambda idx, lazy=lazy: lazy[idx].astype(np_dtype))
     return out
+
+
+def random_params(expected: dict[str, tuple[tuple[int, ...], Sequence]], dtype, mesh: Mesh,
+                  seed: int = 0, std: float = 0.02) -> dict[str, jax.Array]:
+    """Normal(0, std) matrices and unit norm weights, drawn directly on the devices with their
+    final sharding; for benchmarks of full-size shapes without a checkpoint."""
+
+    def draw(key, shape):
+        if len(shape) == 1:
+            return jnp.ones(shape, dtype)
+        return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+    key = jax.random.key(seed)
+    return {name: jax.jit(draw, static_argnums=1, out_shardings=sharding(mesh, axes))(
+                jax.random.fold_in(key, i), tuple(shape))
+            for i, (name, (shape, axes)) in enumerate(expected.items())}

@@ -12,7 +12,10 @@ import random
 import time
 from pathlib import Path
 
+import jax
+
 from kk_jax.cache.pages import PageAllocator
+from kk_jax.checkpoint.default import cache_root
 from kk_jax.config import EngineConfig, load_model_config, resolve_dtype
 from kk_jax.engine.request import (Request, RequestError, RequestOutput, SamplingParams, Status,
                                    TokenLogprob)
@@ -23,6 +26,13 @@ from kk_jax.parallel.mesh import make_mesh
 from kk_jax.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    """Turns on JAX's persistent compilation cache (default ``<cache root>/xla``), so a
+    restarted server reloads its bucket programs instead of compiling them again."""
+    jax.config.update("jax_compilation_cache_dir", str(path or cache_root() / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 class _Tracked:
@@ -42,6 +52,7 @@ class LLMEngine:
                  progress: bool = True, warmup: bool = True):
         self.model_dir = Path(model)
         self.config = config
+        enable_compilation_cache(config.compilation_cache_dir)
         self.model_config = load_model_config(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
         self.dtype = resolve_dtype(dtype, self.model_config.torch_dtype)

@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kk_jax.cache.pools import CacheLayout, allocate_pools, bytes_per_page, pool_sharding
-from kk_jax.checkpoint.loader import load_params
+from kk_jax.checkpoint.loader import load_params, random_params
 from kk_jax.config import EngineConfig
 from kk_jax.engine.request import MAX_LOGPROBS
 from kk_jax.engine.sampler import SamplingArrays, sample
@@ -117,8 +117,10 @@ class Sampled:
 
 
 class ModelRunner:
-    def __init__(self, model_cls, model_cfg, model_dir: Path, dtype, cfg: EngineConfig, mesh: Mesh,
-                 progress: bool = True):
+    def __init__(self, model_cls, model_cfg, model_dir: Path | None, dtype, cfg: EngineConfig, mesh: Mesh,
+                 progress: bool = True, random_weights_seed: int | None = None):
+        """Loads weights from ``model_dir``, or draws random ones on the device when
+        ``random_weights_seed`` is given (benchmarks of full-size shapes without a checkpoint)."""
         self.cfg, self.mesh, self.model_cfg = cfg, mesh, model_cfg
         check_divisible(mesh, **model_cls.divisible_sizes(model_cfg))
         self.backend = resolve_backend(cfg.kernel_backend)
@@ -130,7 +132,10 @@ class ModelRunner:
         flat = nnx.to_flat_state(state)
         expected = {".".join(map(str, path)): (v.shape, v.axes) for path, v in flat}
         t0 = time.perf_counter()
-        params = load_params(model_dir, expected, dtype, mesh, progress=progress)
+        if random_weights_seed is None:
+            params = load_params(model_dir, expected, dtype, mesh, progress=progress)
+        else:
+            params = random_params(expected, dtype, mesh, random_weights_seed)
         pure = {}
         for path, _ in flat:
             node = pure

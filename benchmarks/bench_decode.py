@@ -1,0 +1,118 @@
+"""Decode throughput of a Qwen3-8B-shaped model against the HBM roofline.
+
+Random bf16 weights are drawn on the device (no checkpoint needed). For each batch size the
+runner's fused decode loop (``--steps`` tokens per device call) runs over sequences that
+already hold ``--context`` tokens of KV. Reported per decode step: time, tokens/s, the
+roofline time (bytes of weights + KV read per step / 4.2 TB/s) and its ratio, and host time
+(packing/unpacking arrays) as a share of the step. Both attention backends (Pallas kernel and
+the jnp twin) run in the same process for a side-by-side number.
+
+    python benchmarks/bench_decode.py --batch 1 8 64 --context 1024 --json out.json
+    python benchmarks/bench_decode.py --tiny          # CPU smoke run with a tiny shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+
+from kk_jax.config import EngineConfig, Qwen3Config
+from kk_jax.engine.request import SamplingParams
+from kk_jax.engine.runner import DecodeRow, ModelRunner
+from kk_jax.models.qwen3 import Qwen3ForCausalLM
+from kk_jax.parallel.mesh import make_mesh
+
+HBM_BYTES_PER_S = 4.2e12
+
+QWEN3_8B = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                       rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=False)
+TINY = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                   rope_theta=1e4, max_position_embeddings=4096, tie_word_embeddings=True)
+
+
+def step_bytes(cfg: Qwen3Config, runner: ModelRunner, batch: int, context: int) -> int:
+    """Bytes one decode step must read: every weight except the embedding table (only `batch`
+    rows of it are read; a tied table is read once as the lm_head) plus the KV of all sequences."""
+    w = runner.weight_bytes
+    emb = cfg.vocab_size * cfg.hidden_size * jnp.dtype(jnp.bfloat16).itemsize
+    if not cfg.tie_word_embeddings:
+        w -= emb
+    kv_item = jnp.dtype(runner.pools["layers.0.k"].dtype).itemsize
+    kv = batch * context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * kv_item
+    return w + kv
+
+
+def bench(cfg, backend, batches, context, steps, iters, page_size, tp, trace_dir=None):
+    max_b = max(batches)
+    max_len = context + steps * (iters + 2) + page_size
+    pages_per_seq = math.ceil(max_len / page_size)
+    ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_b, max_num_batched_tokens=page_size,
+                        page_size=page_size, num_pages=max_b * pages_per_seq + 1, tp=tp, decode_steps=steps,
+                        kernel_backend=backend)
+    runner = ModelRunner(Qwen3ForCausalLM, cfg, None, jnp.bfloat16, ecfg, make_mesh(tp), progress=False,
+                         random_weights_seed=0)
+    greedy = SamplingParams(max_tokens=steps, temperature=0.0)
+    rows_out = []
+    for b in batches:
+        rows = [DecodeRow(token=1, position=context, pages=list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)),
+                          budget=steps, stop_ids=[], params=greedy, seed=0, token_index=0) for i in range(b)]
+        t0 = time.perf_counter()
+        runner.decode(rows)                                    # compile + first run
+        compile_s = time.perf_counter() - t0
+        runner.decode(rows)
+        host0, t0 = runner.host_seconds, time.perf_counter()
+        for _ in range(iters):
+            out = runner.decode(rows)
+        wall = (time.perf_counter() - t0) / (iters * steps)
+        host = (runner.host_seconds - host0) / (iters * steps)
+        assert all(len(o.tokens) == steps for o in out)
+        if trace_dir and b == max_b:
+            with jax.profiler.trace(trace_dir):
+                runner.decode(rows)
+        roof = step_bytes(cfg, runner, b, context) / HBM_BYTES_PER_S
+        rows_out.append(dict(backend=runner.backend, batch=b, context=context, step_ms=wall * 1e3,
+                             tok_per_s=b / wall, roofline_ms=roof * 1e3, roofline_frac=roof / wall,
+                             host_frac=host / wall, compile_s=compile_s))
+    return rows_out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=16, help="decode steps per device call")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--backends", nargs="+", default=["pallas", "xla"])
+    ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
+    ap.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke run)")
+    ap.add_argument("--trace", default=None, help="write a jax.profiler trace of one call at the largest batch")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    cfg = TINY if args.tiny else QWEN3_8B
+    if args.layers:
+        cfg = Qwen3Config(**{**cfg.__dict__, "num_hidden_layers": args.layers})
+    results = []
+    for backend in args.backends:
+        results += bench(cfg, backend, args.batch, args.context, args.steps, args.iters, args.page_size, args.tp,
+                         trace_dir=args.trace if backend == args.backends[0] else None)
+    print(f"device: {jax.devices()[0].device_kind}  model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}")
+    print(f"{'backend':8} {'batch':>5} {'ctx':>6} {'step ms':>9} {'tok/s':>10} {'roof ms':>9} {'%roof':>6} {'host%':>6}")
+    for r in results:
+        print(f"{r['backend']:8} {r['batch']:5d} {r['context']:6d} {r['step_ms']:9.3f} {r['tok_per_s']:10.1f} "
+              f"{r['roofline_ms']:9.3f} {100 * r['roofline_frac']:6.1f} {100 * r['host_frac']:6.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
