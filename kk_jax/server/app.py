@@ -1,0 +1,382 @@
+"""The FastAPI application: OpenAI-compatible routes over an AsyncEngine."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import AsyncIterator
+
+import jax
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kk_jax.chat.template import ChatTemplateError
+from kk_jax.engine.async_engine import AsyncEngine, EngineDeadError, StepFailed
+from kk_jax.engine.request import RequestError, RequestOutput, SamplingParams
+from kk_jax.server import protocol as P
+from kk_jax.server.errors import (APIError, api_error_handler, error_response, http_error_handler,
+                                  unexpected_handler, validation_handler)
+from kk_jax.server.metrics import RequestTimer, ServerMetrics
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    served_model_names: tuple[str, ...]
+    model_path: str
+    max_model_len: int
+    api_key: str | None = None
+    profile_dir: str | None = None
+    max_body_bytes: int = 8 << 20
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
+    app = FastAPI(title="kk_jax", version="0.1.0",
+                  description="OpenAI-compatible server of the kk_jax JAX/Pallas engine")
+    app.add_exception_handler(RequestValidationError, validation_handler)
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(Exception, unexpected_handler)
+    metrics = ServerMetrics(cfg.served_model_names[0])
+    tok = engine.engine.tokenizer
+    profiling = {"on": False}
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > cfg.max_body_bytes):
+            return error_response(413, f"request body exceeds the {cfg.max_body_bytes}-byte limit "
+                                       "(--max-request-body-bytes)")
+        return await call_next(request)
+
+    async def auth(request: Request):
+        if cfg.api_key and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
+
+    def check_model(name: str | None) -> str:
+        if name is not None and name not in cfg.served_model_names and name != cfg.model_path:
+            raise APIError(404, f"The model `{name}` does not exist.", "model")
+        return cfg.served_model_names[0]
+
+    # ------------------------------------------------------------------ helpers
+    def sampling(req, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
+        if req.presence_penalty or req.frequency_penalty:
+            raise APIError(400, "presence_penalty and frequency_penalty are not supported; leave them at 0",
+                           "presence_penalty" if req.presence_penalty else "frequency_penalty")
+        try:
+            return SamplingParams(max_tokens=max_tokens,
+                                  temperature=1.0 if req.temperature is None else req.temperature,
+                                  top_k=-1 if req.top_k in (None, 0) else req.top_k,
+                                  top_p=1.0 if req.top_p is None else req.top_p,
+                                  min_p=0.0 if req.min_p is None else req.min_p, seed=seed,
+                                  stop=[req.stop] if isinstance(req.stop, str) else (req.stop or []),
+                                  stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
+                                  logprobs=logprobs)
+        except RequestError as e:
+            raise APIError(400, str(e), e.param) from None
+
+    def prompt_ids(prompt: str | list[int]) -> list[int]:
+        ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise APIError(400, "the prompt is empty", "prompt")
+        if len(ids) >= cfg.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
+                                f"your prompt has {len(ids)} tokens; shorten it", "prompt")
+        return ids
+
+    def max_tokens_for(requested: int | None, n_prompt: int) -> int:
+        room = cfg.max_model_len - n_prompt
+        if requested is None:
+            return room
+        if requested > room:
+            raise APIError(400, f"This model's maximum context length is {cfg.max_model_len} tokens. However, you "
+                                f"requested {n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} "
+                                f"for the completion). Reduce max_tokens to at most {room}.", "max_tokens")
+        return requested
+
+    def token_str(i: int) -> str:
+        return tok.decode([i], skip_special_tokens=False)
+
+    async def run(items) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """engine.stream with metrics; maps engine errors to API errors."""
+        start = time.perf_counter()
+        timers = [RequestTimer(metrics, start) for _ in items]
+        try:
+            async for i, out in engine.stream(items):
+                now = time.perf_counter()
+                timers[i].tokens(now, len(out.new_token_ids))
+                if out.finished:
+                    timers[i].done(now)
+                    metrics.finished(out.finish_reason, len(out.prompt_token_ids))
+                yield i, out
+        except RequestError as e:
+            raise APIError(400, str(e), e.param) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from None
+        except StepFailed as e:
+            raise APIError(500, str(e)) from None
+
+    async def collect(raw: Request, items) -> list[RequestOutput]:
+        """Runs to completion unless the client goes away (then everything is aborted)."""
+        finals: dict[int, RequestOutput] = {}
+
+        async def consume():
+            async for i, out in run(items):
+                if out.finished:
+                    finals[i] = out
+
+        task = asyncio.create_task(consume())
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                task.result()
+                return [finals[i] for i in range(len(items))]
+            if await raw.is_disconnected():
+                task.cancel()
+                raise APIError(400, "client disconnected")
+
+    def usage(outs: list[RequestOutput], prompt_counts: list[int]) -> dict:
+        p = sum(prompt_counts)
+        c = sum(len(o.token_ids) for o in outs)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def completion_logprobs(out: RequestOutput, new_only: bool, offset: int) -> dict | None:
+        if out.logprobs is None:
+            return None
+        lps = out.logprobs[len(out.token_ids) - len(out.new_token_ids):] if new_only else out.logprobs
+        tokens = [token_str(lp.token_id) for lp in lps]
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{token_str(k): v for k, v in lp.top.items()} for lp in lps],
+                "text_offset": offsets}
+
+    def chat_logprobs(out: RequestOutput, new_only: bool, top: int) -> dict | None:
+        if out.logprobs is None:
+            return None
+        lps = out.logprobs[len(out.token_ids) - len(out.new_token_ids):] if new_only else out.logprobs
+
+        def entry(i, lp):
+            s = token_str(i)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"content": [{**entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [entry(k, v) for k, v in list(lp.top.items())[:top]]} for lp in lps]}
+
+    # ------------------------------------------------------------------ routes
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return error_response(503, "the engine is not running")
+        return Response(status_code=200)
+
+    @app.get("/v1/models", dependencies=[Depends(auth)], response_model=P.ModelList)
+    async def models():
+        return P.ModelList(data=[P.ModelCard(id=n, root=cfg.model_path, max_model_len=cfg.max_model_len)
+                                 for n in cfg.served_model_names])
+
+    @app.post("/v1/completions", dependencies=[Depends(auth)], response_model=P.CompletionResponse)
+    async def completions(req: P.CompletionRequest, raw: Request):
+        model = check_model(req.model)
+        p = req.prompt
+        if isinstance(p, list) and not p:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+        ids = [prompt_ids(x) for x in prompts]
+        items, meta = [], []
+        for pi, pid in enumerate(ids):
+            mt = max_tokens_for(req.max_tokens, len(pid))
+            for k in range(req.n):
+                seed = None if req.seed is None else req.seed + k
+                items.append((P.new_id("cmpl-req"), pid, sampling(req, mt, req.logprobs, seed)))
+                meta.append(pi)
+        echo = [tok.decode(pid, skip_special_tokens=False) if req.echo else "" for pid in ids]
+        rid, created = P.new_id("cmpl"), int(time.time())
+
+        if not req.stream:
+            outs = await collect(raw, items)
+            choices = []
+            for i, o in enumerate(outs):
+                pre = echo[meta[i]]
+                choices.append({"index": i, "text": pre + o.text, "finish_reason": o.finish_reason,
+                                "logprobs": completion_logprobs(o, False, len(pre))})
+            return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                    "choices": choices, "usage": usage(outs, [len(ids[m]) for m in meta])}
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        agen = run(items)
+        first = await _first(agen)
+
+        async def events():
+            finals: dict[int, RequestOutput] = {}
+            sent = {i: len(echo[meta[i]]) for i in range(len(items))}
+            if req.echo:
+                for i in range(len(items)):
+                    yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                               "choices": [{"index": i, "text": echo[meta[i]], "logprobs": None,
+                                            "finish_reason": None}]})
+            try:
+                async for i, out in _chain(first, agen):
+                    if not out.new_text and not out.finished:
+                        continue
+                    lp = completion_logprobs(out, True, sent[i])
+                    sent[i] += len(out.new_text)
+                    yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                               "choices": [{"index": i, "text": out.new_text, "logprobs": lp,
+                                            "finish_reason": out.finish_reason if out.finished else None}],
+                               **({"usage": None} if include_usage else {})})
+                    if out.finished:
+                        finals[i] = out
+            except APIError as e:
+                yield sse({"error": {"message": e.message, "type": "APIError", "param": e.param, "code": e.status}})
+                return
+            if include_usage:
+                outs = [finals[i] for i in range(len(items))]
+                yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                           "choices": [], "usage": usage(outs, [len(ids[m]) for m in meta])})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def chat_prompt(req: P.ChatCompletionRequest) -> list[int]:
+        if req.tools:
+            raise APIError(400, "tool calling is not supported by this server yet; remove `tools`", "tools")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise APIError(400, f"response_format type {req.response_format.type!r} is not supported; use 'text'",
+                           "response_format")
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                           **(req.chat_template_kwargs or {}))
+        except (ChatTemplateError, ValueError) as e:
+            raise APIError(400, str(e), "messages") from None
+        return prompt_ids(text)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)], response_model=P.ChatCompletionResponse)
+    async def chat(req: P.ChatCompletionRequest, raw: Request):
+        model = check_model(req.model)
+        ids = chat_prompt(req)
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
+        mt = max_tokens_for(req.max_completion_tokens or req.max_tokens, len(ids))
+        n_lp = (req.top_logprobs or 0) if req.logprobs else None
+        items = [(P.new_id("chat-req"), ids, sampling(req, mt, n_lp, None if req.seed is None else req.seed + k))
+                 for k in range(req.n)]
+        rid, created = P.new_id("chatcmpl"), int(time.time())
+        top = req.top_logprobs or 0
+
+        if not req.stream:
+            outs = await collect(raw, items)
+            choices = [{"index": i, "message": {"role": "assistant", "content": o.text},
+                        "logprobs": chat_logprobs(o, False, top), "finish_reason": o.finish_reason}
+                       for i, o in enumerate(outs)]
+            return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                    "choices": choices, "usage": usage(outs, [len(ids)] * len(outs))}
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        agen = run(items)
+        first = await _first(agen)
+
+        def chunk(choices, **extra):
+            return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "choices": choices, **({"usage": None} if include_usage else {}), **extra})
+
+        async def events():
+            finals: dict[int, RequestOutput] = {}
+            for i in range(len(items)):
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+            try:
+                async for i, out in _chain(first, agen):
+                    if out.new_text or (out.logprobs and out.new_token_ids and not out.finished):
+                        yield chunk([{"index": i, "delta": {"content": out.new_text},
+                                      "logprobs": chat_logprobs(out, True, top), "finish_reason": None}])
+                    if out.finished:
+                        finals[i] = out
+                        yield chunk([{"index": i, "delta": {}, "logprobs": None,
+                                      "finish_reason": out.finish_reason}])
+            except APIError as e:
+                yield sse({"error": {"message": e.message, "type": "APIError", "param": e.param, "code": e.status}})
+                return
+            if include_usage:
+                outs = [finals[i] for i in range(len(items))]
+                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                           "choices": [], "usage": usage(outs, [len(ids)] * len(outs))})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/tokenize", response_model=P.TokenizeResponse)
+    async def tokenize(req: P.TokenizeRequest):
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of `prompt` or `messages`", "prompt")
+        if req.prompt is not None:
+            ids = tok.encode(req.prompt)
+        else:
+            try:
+                ids = tok.encode(tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
+                                                         add_generation_prompt=req.add_generation_prompt))
+            except (ChatTemplateError, ValueError) as e:
+                raise APIError(400, str(e), "messages") from None
+        return {"count": len(ids), "max_model_len": cfg.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", response_model=P.DetokenizeResponse)
+    async def detokenize(req: P.DetokenizeRequest):
+        check_model(req.model)
+        vocab = engine.engine.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": tok.decode(req.tokens)}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(engine.call(lambda e: e.stats())), media_type="text/plain; version=0.0.4")
+
+    @app.post("/start_profile")
+    async def start_profile():
+        if not cfg.profile_dir:
+            raise APIError(400, "profiling is off: start the server with --profile-dir DIR")
+        if profiling["on"]:
+            raise APIError(400, "a profile is already being recorded; POST /stop_profile first")
+        Path(cfg.profile_dir).mkdir(parents=True, exist_ok=True)
+        jax.profiler.start_trace(cfg.profile_dir)
+        profiling["on"] = True
+        return {"status": "profiling", "profile_dir": cfg.profile_dir}
+
+    @app.post("/stop_profile")
+    async def stop_profile():
+        if not profiling["on"]:
+            raise APIError(400, "no profile is being recorded; POST /start_profile first")
+        jax.profiler.stop_trace()
+        profiling["on"] = False
+        return {"status": "stopped", "profile_dir": cfg.profile_dir}
+
+    return app
+
+
+async def _first(agen):
+    """Pulls the first item so that validation errors surface before the stream starts (as a
+    plain HTTP error rather than inside an already-started SSE response)."""
+    try:
+        return await agen.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _chain(first, agen):
+    if first is not None:
+        yield first
+    async for item in agen:
+        yield item
