@@ -68,6 +68,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = 0
+        self.num_aborted = 0
         self.warmup_report = self.runner.warmup() if warmup else []
         if warmup:
             log.info("warm-up compiled %d programs in %.1fs", len(self.warmup_report), self.runner.compile_seconds)
@@ -116,6 +117,7 @@ class LLMEngine:
         tr = self._tracked.pop(request_id, None)
         if tr is None:
             return None
+        self.num_aborted += 1
         self.scheduler.remove(tr.req)
         self._finish(tr, "abort")
         return self._output(tr)
@@ -221,5 +223,6 @@ class LLMEngine:
         """Counters for metrics: pages, queue sizes, host time per device call."""
         r = self.runner
         return {"pages_total": self.pages.capacity, "pages_free": self.pages.num_free,
-                "running": self.num_running, "waiting": self.num_waiting, "device_calls": r.device_calls,
+                "running": self.num_running, "waiting": self.num_waiting, "aborted": self.num_aborted,
+                "preemptions": self.scheduler.num_preemptions, "device_calls": r.device_calls,
                 "host_seconds": r.host_seconds, "compile_seconds": r.compile_seconds}

@@ -134,14 +134,18 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
                     finals[i] = out
 
         task = asyncio.create_task(consume())
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                task.result()
-                return [finals[i] for i in range(len(items))]
-            if await raw.is_disconnected():
-                task.cancel()
-                raise APIError(400, "client disconnected")
+        # after the body is read, the next ASGI message is http.disconnect (if the client leaves)
+        gone = asyncio.create_task(raw.receive())
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()                  # aborts the requests and frees their pages
+            gone.cancel()
+        if task.cancelled():
+            raise APIError(400, "client disconnected")
+        task.result()
+        return [finals[i] for i in range(len(items))]
 
     def usage(outs: list[RequestOutput], prompt_counts: list[int]) -> dict:
         p = sum(prompt_counts)

@@ -55,6 +55,8 @@ async def api_error_handler(_: Request, exc: APIError) -> JSONResponse:
 
 
 async def http_error_handler(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 400 and "parsing the body" in str(exc.detail):      # e.g. bytes that are not UTF-8
+        return error_response(400, "the request body is not valid JSON (or not UTF-8); send a UTF-8 JSON object")
     return error_response(exc.status_code, str(exc.detail))
 
 

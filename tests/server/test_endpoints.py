@@ -1,0 +1,71 @@
+"""Disconnects free pages; health, metrics, profiling, tokenize/detokenize, OpenAPI schema."""
+
+import json
+
+import httpx
+import pytest
+from conftest import wait_pages_free
+
+
+def test_client_disconnect_mid_stream_frees_pages(live):
+    with httpx.Client(base_url=live.url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": "Tell me a long story", "max_tokens": 100,
+                                                        "stream": True, "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(3)]
+            assert any(line.startswith("data: ") for line in got)
+            st = live.engine.call(lambda e: e.stats())
+            assert st["pages_free"] < st["pages_total"]
+    assert wait_pages_free(live.engine)
+
+
+def test_non_streaming_disconnect_frees_pages(live):
+    aborted = live.engine.call(lambda e: e.num_aborted)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 120, "n": 8,
+                                                        "ignore_eos": True}, timeout=0.01)
+    assert wait_pages_free(live.engine)
+    assert live.engine.call(lambda e: e.num_aborted) == aborted + 8
+
+
+def test_health_and_metrics(live):
+    with httpx.Client(base_url=live.url, timeout=30) as c:
+        assert c.get("/health").status_code == 200
+        c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+        text = c.get("/metrics").text
+    for name in ["kk_jax:num_requests_running", "kk_jax:num_requests_waiting", "kk_jax:kv_cache_usage_perc",
+                 "kk_jax:prompt_tokens_total", "kk_jax:generation_tokens_total",
+                 "kk_jax:time_to_first_token_seconds_bucket", "kk_jax:inter_token_latency_seconds_bucket",
+                 'kk_jax:request_success_total{finished_reason="length",model_name="tiny"}']:
+        assert name in text, name
+    gen = [float(line.split()[-1]) for line in text.splitlines() if line.startswith("kk_jax:generation_tokens_total")]
+    assert gen and gen[0] >= 3
+
+
+def test_profile_endpoints_write_a_trace(live):
+    with httpx.Client(base_url=live.url, timeout=60) as c:
+        assert c.post("/stop_profile").status_code == 400
+        r = c.post("/start_profile")
+        assert r.status_code == 200
+        assert c.post("/start_profile").status_code == 400
+        c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+        assert c.post("/stop_profile").status_code == 200
+    from pathlib import Path
+    assert list(Path(r.json()["profile_dir"]).rglob("*.xplane.pb"))
+
+
+def test_tokenize_detokenize(live):
+    with httpx.Client(base_url=live.url, timeout=30) as c:
+        t = c.post("/tokenize", json={"prompt": "Hello world"}).json()
+        assert t["count"] == len(t["tokens"]) and t["max_model_len"] == 128
+        assert c.post("/detokenize", json={"tokens": t["tokens"]}).json()["prompt"] == "Hello world"
+        m = c.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+        assert m["count"] > t["count"] // 2
+        assert c.post("/tokenize", json={}).status_code == 400
+        assert c.post("/detokenize", json={"tokens": [-1]}).status_code == 400
+
+
+def test_openapi_schema(live):
+    schema = httpx.get(live.url + "/openapi.json").json()
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize"} <= set(schema["paths"])
+    json.dumps(schema)
