@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import time
 
 import httpx

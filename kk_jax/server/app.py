@@ -12,7 +12,7 @@ from typing import AsyncIterator
 import jax
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kk_jax.chat.template import ChatTemplateError
@@ -176,6 +176,39 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
         return {"content": [{**entry(lp.token_id, lp.logprob),
                              "top_logprobs": [entry(k, v) for k, v in list(lp.top.items())[:top]]} for lp in lps]}
 
+    async def streaming_response(items, envelope: dict, stream_options, head: list[list[dict]], choices,
+                                 prompt_counts: list[int]) -> StreamingResponse:
+        """SSE stream as OpenAI sends it: ``head`` chunks, one chunk per choice update from
+        ``choices(i, output)``, an optional usage chunk (``choices: []``), then ``[DONE]``.
+        The first output is awaited before the response starts, so request errors are plain
+        HTTP errors rather than events inside a started stream."""
+        include_usage = bool(stream_options and stream_options.include_usage)
+        agen = run(items)
+        first = await _first(agen)
+
+        def chunk(chs: list[dict]) -> str:
+            return sse({**envelope, "choices": chs, **({"usage": None} if include_usage else {})})
+
+        async def events():
+            finals: dict[int, RequestOutput] = {}
+            for chs in head:
+                yield chunk(chs)
+            try:
+                async for i, out in _chain(first, agen):
+                    for ch in choices(i, out):
+                        yield chunk([ch])
+                    if out.finished:
+                        finals[i] = out
+            except APIError as e:
+                yield sse({"error": {"message": e.message, "type": "APIError", "param": e.param, "code": e.status}})
+                return
+            if include_usage:
+                outs = [finals[i] for i in range(len(items))]
+                yield sse({**envelope, "choices": [], "usage": usage(outs, prompt_counts)})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     # ------------------------------------------------------------------ routes
     @app.get("/health")
     async def health():
@@ -216,40 +249,21 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
             return {"id": rid, "object": "text_completion", "created": created, "model": model,
                     "choices": choices, "usage": usage(outs, [len(ids[m]) for m in meta])}
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        agen = run(items)
-        first = await _first(agen)
+        sent = {i: len(echo[meta[i]]) for i in range(len(items))}
 
-        async def events():
-            finals: dict[int, RequestOutput] = {}
-            sent = {i: len(echo[meta[i]]) for i in range(len(items))}
-            if req.echo:
-                for i in range(len(items)):
-                    yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                               "choices": [{"index": i, "text": echo[meta[i]], "logprobs": None,
-                                            "finish_reason": None}]})
-            try:
-                async for i, out in _chain(first, agen):
-                    if not out.new_text and not out.finished:
-                        continue
-                    lp = completion_logprobs(out, True, sent[i])
-                    sent[i] += len(out.new_text)
-                    yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                               "choices": [{"index": i, "text": out.new_text, "logprobs": lp,
-                                            "finish_reason": out.finish_reason if out.finished else None}],
-                               **({"usage": None} if include_usage else {})})
-                    if out.finished:
-                        finals[i] = out
-            except APIError as e:
-                yield sse({"error": {"message": e.message, "type": "APIError", "param": e.param, "code": e.status}})
-                return
-            if include_usage:
-                outs = [finals[i] for i in range(len(items))]
-                yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                           "choices": [], "usage": usage(outs, [len(ids[m]) for m in meta])})
-            yield "data: [DONE]\n\n"
+        def choices(i: int, out: RequestOutput) -> list[dict]:
+            if not out.new_text and not out.finished:
+                return []
+            lp = completion_logprobs(out, True, sent[i])
+            sent[i] += len(out.new_text)
+            return [{"index": i, "text": out.new_text, "logprobs": lp,
+                     "finish_reason": out.finish_reason if out.finished else None}]
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        head = [[{"index": i, "text": echo[meta[i]], "logprobs": None, "finish_reason": None}]
+                for i in range(len(items))] if req.echo else []
+        envelope = {"id": rid, "object": "text_completion", "created": created, "model": model}
+        return await streaming_response(items, envelope, req.stream_options, head, choices,
+                                        [len(ids[m]) for m in meta])
 
     def chat_prompt(req: P.ChatCompletionRequest) -> list[int]:
         if req.tools:
@@ -287,38 +301,19 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
             return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                     "choices": choices, "usage": usage(outs, [len(ids)] * len(outs))}
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        agen = run(items)
-        first = await _first(agen)
+        def choices(i: int, out: RequestOutput) -> list[dict]:
+            out_choices = []
+            if out.new_text or (out.logprobs and out.new_token_ids and not out.finished):
+                out_choices.append({"index": i, "delta": {"content": out.new_text},
+                                    "logprobs": chat_logprobs(out, True, top), "finish_reason": None})
+            if out.finished:
+                out_choices.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason})
+            return out_choices
 
-        def chunk(choices, **extra):
-            return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                        "choices": choices, **({"usage": None} if include_usage else {}), **extra})
-
-        async def events():
-            finals: dict[int, RequestOutput] = {}
-            for i in range(len(items)):
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])
-            try:
-                async for i, out in _chain(first, agen):
-                    if out.new_text or (out.logprobs and out.new_token_ids and not out.finished):
-                        yield chunk([{"index": i, "delta": {"content": out.new_text},
-                                      "logprobs": chat_logprobs(out, True, top), "finish_reason": None}])
-                    if out.finished:
-                        finals[i] = out
-                        yield chunk([{"index": i, "delta": {}, "logprobs": None,
-                                      "finish_reason": out.finish_reason}])
-            except APIError as e:
-                yield sse({"error": {"message": e.message, "type": "APIError", "param": e.param, "code": e.status}})
-                return
-            if include_usage:
-                outs = [finals[i] for i in range(len(items))]
-                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                           "choices": [], "usage": usage(outs, [len(ids)] * len(outs))})
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+        head = [[{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+                for i in range(len(items))]
+        envelope = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        return await streaming_response(items, envelope, req.stream_options, head, choices, [len(ids)] * len(items))
 
     @app.post("/tokenize", response_model=P.TokenizeResponse)
     async def tokenize(req: P.TokenizeRequest):

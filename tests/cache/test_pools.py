@@ -1,6 +1,5 @@
 """Cache pools: one pytree holding paged KV, recurrent-state slots and conv-state slots."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
