@@ -172,13 +172,13 @@ def _proj_std(fan_in: int) -> float:
 # ----------------------------------------------------------------------------- tokenizer
 
 
-def build_tokenizer(corpus: str | None = None, bpe_vocab_size: int = BPE_VOCAB_SIZE):
+def build_tokenizer(corpus: str | None = None, bpe_vocab_size: int = BPE_VOCAB_SIZE, added_tokens=ADDED_TOKENS):
     """Train the byte-level BPE tokenizer on ``corpus`` (default: tiny_corpus.txt).
 
     Pipeline exactly as Qwen2/Qwen3: NFC normalizer, regex Split (isolated) + ByteLevel
     (no prefix space, no regex) pre-tokenizer, BPE with no unk / no byte fallback, ByteLevel
     decoder and post-processor. The 256 byte symbols seed the alphabet so any text encodes.
-    ``ADDED_TOKENS`` follow the BPE vocabulary, in order. Training is deterministic: the
+    ``added_tokens`` (default ``ADDED_TOKENS``) follow the BPE vocabulary, in order. Training is deterministic: the
     trainer breaks count ties by pair ids, which come from the sorted alphabet.
     Returns a ``tokenizers.Tokenizer``.
     """
@@ -215,7 +215,7 @@ def build_tokenizer(corpus: str | None = None, bpe_vocab_size: int = BPE_VOCAB_S
     )
     lines = [line for line in corpus.splitlines(keepends=True) if line.strip()]
     tok.train_from_iterator(lines, trainer=trainer)
-    for content, special in ADDED_TOKENS:
+    for content, special in added_tokens:
         t = AddedToken(content, single_word=False, lstrip=False, rstrip=False, normalized=False, special=special)
         if special:
             tok.add_special_tokens([t])
@@ -224,10 +224,9 @@ def build_tokenizer(corpus: str | None = None, bpe_vocab_size: int = BPE_VOCAB_S
     return tok
 
 
-def _tokenizer_config(tok) -> dict:
-    """tokenizer_config.json as Qwen3 ships it (Qwen2Tokenizer, ChatML template, eos <|im_end|>)."""
+def _added_tokens_decoder(tok, added_tokens) -> dict:
     added = {}
-    for content, special in ADDED_TOKENS:
+    for content, special in added_tokens:
         added[str(tok.token_to_id(content))] = {
             "content": content,
             "lstrip": False,
@@ -236,6 +235,12 @@ def _tokenizer_config(tok) -> dict:
             "single_word": False,
             "special": special,
         }
+    return added
+
+
+def _tokenizer_config(tok) -> dict:
+    """tokenizer_config.json as Qwen3 ships it (Qwen2Tokenizer, ChatML template, eos <|im_end|>)."""
+    added = _added_tokens_decoder(tok, ADDED_TOKENS)
     return {
         "add_bos_token": False,
         "add_prefix_space": False,
@@ -442,7 +447,238 @@ def _make_qwen3(out: Path, seed: int, o: dict) -> None:
     (out / "tokenizer_config.json").write_text(_json_text(_tokenizer_config(tok)))
 
 
-ARCHS = {"qwen3": (_make_qwen3, QWEN3_DEFAULTS)}
+# ----------------------------------------------------------------------------- glm5_next
+
+# GLM-5.3's control tokens (special: skipped by decode) and its tag tokens (plain added tokens).
+GLM5_ADDED_TOKENS = (
+    ("<|endoftext|>", True),
+    ("[MASK]", True),
+    ("[gMASK]", True),
+    ("[sMASK]", True),
+    ("<sop>", True),
+    ("<eop>", True),
+    ("<|system|>", True),
+    ("<|user|>", True),
+    ("<|assistant|>", True),
+    ("<|observation|>", True),
+    ("<think>", False),
+    ("</think>", False),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<arg_key>", False),
+    ("</arg_key>", False),
+    ("<arg_value>", False),
+    ("</arg_value>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+)
+GLM5_TEMPLATE_PATH = Path(__file__).with_name("templates") / "glm5_chat_template.jinja"
+
+# Defaults of the tiny GLM-5.3: the real 3:1 KDA:DSA pattern over 8 layers (DSA at 3 and 7),
+# two dense layers then MoE with a shared expert, mHC with 4 streams, and an index_topk of 8
+# tokens (2 pools of 4) so sparse selection really happens beyond 8 context tokens.
+GLM5_DEFAULTS = {
+    "hidden_size": 64,
+    "num_layers": 8,
+    "first_dense_layers": 2,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "num_heads": 4,
+    "q_lora_rank": 48,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "index_n_heads": 4,
+    "index_head_dim": 16,
+    "index_topk": 8,
+    "index_kpool": 4,
+    "linear_num_heads": 4,
+    "linear_head_dim": 16,
+    "hc_mult": 4,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": None,
+    "mtp": True,          # also write the MTP (NextN) block as layer num_layers, as the release does
+    "dtype": "bfloat16",
+    "shards": 1,
+}
+
+
+def _glm5_layer_types(n: int) -> list[str]:
+    return ["deepseek_sparse_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
+
+
+def _glm5_text_config(o: dict, vocab: int, ids: dict[str, int]) -> dict:
+    """text_config with every key transformers 5 writes for glm5_next_text."""
+    n = int(o["num_layers"])
+    dense = int(o["first_dense_layers"])
+    return {
+        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": None,
+        "eos_token_id": [ids["<|endoftext|>"], ids["<|user|>"], ids["<|observation|>"]],
+        "hc_eps": 1e-06, "hc_mult": int(o["hc_mult"]), "hc_sinkhorn_iters": 20, "head_dim": 0, "hidden_act": "silu",
+        "hidden_size": int(o["hidden_size"]), "index_head_dim": int(o["index_head_dim"]),
+        "index_kpool": int(o["index_kpool"]), "index_kpool_always_select_tail": True,
+        "index_n_heads": int(o["index_n_heads"]), "index_topk": int(o["index_topk"]),
+        "indexer_types": ["full"] * n, "initializer_range": 0.02, "intermediate_size": int(o["intermediate_size"]),
+        "kv_lora_rank": int(o["kv_lora_rank"]), "layer_types": _glm5_layer_types(n), "linear_conv_kernel_dim": 4,
+        "linear_head_dim": int(o["linear_head_dim"]), "linear_lower_bound": -5.0,
+        "linear_num_heads": int(o["linear_num_heads"]), "max_position_embeddings": 1048576,
+        "mlp_layer_types": ["dense"] * min(dense, n) + ["sparse"] * max(0, n - dense),
+        "model_type": "glm5_next_text", "moe_intermediate_size": int(o["moe_intermediate_size"]),
+        "n_group": 1, "n_routed_experts": int(o["n_routed_experts"]), "n_shared_experts": int(o["n_shared_experts"]),
+        "norm_topk_prob": True, "num_attention_heads": int(o["num_heads"]),
+        "num_experts_per_tok": int(o["num_experts_per_tok"]), "num_hidden_layers": n,
+        "num_key_value_heads": int(o["num_heads"]), "output_router_logits": False,
+        "pad_token_id": ids["<|endoftext|>"], "q_lora_rank": int(o["q_lora_rank"]),
+        "qk_head_dim": int(o["qk_nope_head_dim"]), "qk_nope_head_dim": int(o["qk_nope_head_dim"]),
+        "qk_rope_head_dim": 0, "rms_norm_eps": float(o["rms_norm_eps"]), "routed_scaling_factor": 2.5,
+        "router_aux_loss_coef": 0.001, "swiglu_limit": 10.0, "tie_word_embeddings": False, "topk_group": 1,
+        "use_cache": True, "v_head_dim": int(o["v_head_dim"]), "vocab_size": vocab,
+    }
+
+
+def _glm5_config(o: dict, tokenizer_size: int, ids: dict[str, int]) -> dict:
+    vocab = -(-tokenizer_size // 64) * 64 if o["vocab_size"] is None else int(o["vocab_size"])
+    if vocab < tokenizer_size:
+        raise ValueError(f"vocab_size={vocab} is smaller than the tokenizer ({tokenizer_size} tokens)")
+    if int(o["index_topk"]) % int(o["index_kpool"]):
+        raise ValueError("index_topk must be a multiple of index_kpool")
+    return {
+        "architectures": ["Glm5NextForConditionalGeneration"], "dtype": o["dtype"],
+        "image_end_token_id": 154831, "image_start_token_id": 154830, "image_token_id": 154854,
+        "model_type": "glm5_next", "text_config": _glm5_text_config(o, vocab, ids), "tie_word_embeddings": False,
+        "transformers_version": TRANSFORMERS_LAYOUT_VERSION, "video_end_token_id": 154833,
+        "video_start_token_id": 154832, "video_token_id": 154855,
+        # a one-block vision tower config (its weights are not written: only the text tower is served)
+        "vision_config": {"depth": 1, "hidden_act": "silu", "hidden_size": 32, "in_channels": 3,
+                          "initializer_range": 0.02, "intermediate_size": 64, "model_type": "glm5_next_vision",
+                          "num_heads": 2, "out_hidden_size": int(o["hidden_size"]), "patch_size": 14,
+                          "projection_intermediate_size": 128, "rms_norm_eps": 1e-05,
+                          "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"},
+                          "spatial_merge_size": 2, "swiglu_limit": 10.0, "temporal_patch_size": 2},
+    }
+
+
+def _glm5_weights(cfg: dict, seed: int, mtp: bool) -> dict[str, np.ndarray]:
+    """Float32 text-tower weights of Glm5NextForConditionalGeneration in HF names and layouts."""
+    t = cfg["text_config"]
+    d, v, hc = t["hidden_size"], t["vocab_size"], t["hc_mult"]
+    hk, dk = t["linear_num_heads"], t["linear_head_dim"]
+    qkv = hk * dk
+    h, nope, vd = t["num_attention_heads"], t["qk_nope_head_dim"], t["v_head_dim"]
+    ql, kl = t["q_lora_rank"], t["kv_lora_rank"]
+    ih, idim, kp = t["index_n_heads"], t["index_head_dim"], t["index_kpool"]
+    e, fi, fe = t["n_routed_experts"], t["intermediate_size"], t["moe_intermediate_size"]
+    w: dict[str, np.ndarray] = {}
+
+    def normal(name, shape, std):
+        w[name] = _normal(seed, name, shape, std)
+
+    def norm(name, n):
+        w[name] = 1.0 + _normal(seed, name, (n,), NORM_NOISE_STD)
+
+    def proj(name, out, inp, gain=1.0):
+        normal(name, (out, inp), gain * _proj_std(inp))
+
+    def swiglu(p, width):
+        proj(p + "gate_proj.weight", width, d)
+        proj(p + "up_proj.weight", width, d)
+        proj(p + "down_proj.weight", d, width, RESIDUAL_GAIN)
+
+    def dsa(p):
+        proj(p + "self_attn.q_a_proj.weight", ql, d)
+        norm(p + "self_attn.q_a_layernorm.weight", ql)
+        proj(p + "self_attn.q_b_proj.weight", h * nope, ql)
+        proj(p + "self_attn.kv_a_proj_with_mqa.weight", kl, d)
+        norm(p + "self_attn.kv_a_layernorm.weight", kl)
+        proj(p + "self_attn.kv_b_proj.weight", h * (nope + vd), kl)
+        proj(p + "self_attn.o_proj.weight", d, h * vd, RESIDUAL_GAIN)
+        q = p + "self_attn.indexer."
+        proj(q + "wq_b.weight", ih * idim, ql)
+        proj(q + "wk.weight", idim, d)
+        norm(q + "k_norm.weight", idim)
+        normal(q + "k_norm.bias", (idim,), NORM_NOISE_STD)
+        proj(q + "weights_proj.weight", ih, d)
+        normal(q + "index_kpool_compress_ape", (kp, idim), 0.5)
+        proj(q + "index_kpool_compress_gate", idim, d)
+
+    def moe(p):
+        normal(p + "mlp.gate.weight", (e, d), _proj_std(d))
+        normal(p + "mlp.gate.e_score_correction_bias", (e,), 0.1)
+        for x in range(e):
+            swiglu(p + f"mlp.experts.{x}.", fe)
+        swiglu(p + "mlp.shared_experts.", fe * t["n_shared_experts"])
+
+    normal("model.language_model.embed_tokens.weight", (v, d), EMBED_STD)
+    for i in range(t["num_hidden_layers"]):
+        p = f"model.language_model.layers.{i}."
+        for site in ("attn", "ffn"):
+            normal(p + f"hc_{site}_base", ((2 + hc) * hc,), 0.5)
+            normal(p + f"hc_{site}_fn", ((2 + hc) * hc, hc * d), 1.0 / math.sqrt(hc * d))
+            w[p + f"hc_{site}_scale"] = 0.5 + np.abs(_normal(seed, p + f"hc_{site}_scale", (3,), 0.5))
+        norm(p + "input_layernorm.weight", d)
+        norm(p + "post_attention_layernorm.weight", d)
+        if t["layer_types"][i] == "linear_attention":
+            a = p + "self_attn."
+            for x in "qkv":
+                proj(a + f"{x}_proj.weight", qkv, d)
+                normal(a + f"{x}_conv1d.weight", (qkv, 1, 4), 0.5)
+            w[a + "A_log"] = np.log(np.linspace(1.0, 16.0, hk, dtype=np.float64)).astype(np.float32)
+            normal(a + "dt_bias", (qkv,), 0.5)
+            proj(a + "b_proj.weight", hk, d)
+            proj(a + "f_a_proj.weight", dk, d)
+            proj(a + "f_b_proj.weight", qkv, dk)
+            proj(a + "g_a_proj.weight", dk, d)
+            proj(a + "g_b_proj.weight", qkv, dk)
+            norm(a + "o_norm.weight", dk)
+            proj(a + "o_proj.weight", d, qkv, RESIDUAL_GAIN)
+        else:
+            dsa(p)
+        if t["mlp_layer_types"][i] == "dense":
+            swiglu(p + "mlp.", fi)
+        else:
+            moe(p)
+    norm("model.language_model.norm.weight", d)
+    normal("lm_head.weight", (v, d), EMBED_STD)
+    if mtp:   # NextN block: layer num_hidden_layers, DSA + MoE, no hc_* tensors, shares embed/lm_head
+        p = f"model.language_model.layers.{t['num_hidden_layers']}."
+        proj(p + "eh_proj.weight", d, 2 * d)
+        for name in ("enorm", "hnorm", "shared_head.norm", "input_layernorm", "post_attention_layernorm"):
+            norm(p + name + ".weight", d)
+        dsa(p)
+        moe(p)
+    return w
+
+
+def _make_glm5(out: Path, seed: int, o: dict) -> None:
+    tok = build_tokenizer(added_tokens=GLM5_ADDED_TOKENS)
+    ids = {c: tok.token_to_id(c) for c, _ in GLM5_ADDED_TOKENS}
+    cfg = _glm5_config(o, tok.get_vocab_size(with_added_tokens=True), ids)
+    weights = {k: _cast(v, o["dtype"]) for k, v in _glm5_weights(cfg, seed, bool(o["mtp"])).items()}
+    out.mkdir(parents=True, exist_ok=True)
+    _clear_old_weights(out)
+    _write_weights(out, weights, int(o["shards"]))
+    (out / "config.json").write_text(_json_text(cfg))
+    eos = cfg["text_config"]["eos_token_id"]
+    (out / "generation_config.json").write_text(_json_text({
+        "_from_model_config": True, "eos_token_id": eos, "pad_token_id": ids["<|endoftext|>"],
+        "transformers_version": TRANSFORMERS_LAYOUT_VERSION}))
+    (out / "tokenizer.json").write_text(tok.to_str(pretty=True))
+    tcfg = {
+        "added_tokens_decoder": _added_tokens_decoder(tok, GLM5_ADDED_TOKENS),
+        "additional_special_tokens": [c for c, special in GLM5_ADDED_TOKENS if special and c != "<|endoftext|>"],
+        "clean_up_tokenization_spaces": False, "do_lower_case": False, "eos_token": "<|endoftext|>",
+        "model_max_length": 1048576, "pad_token": "<|endoftext|>", "padding_side": "left",
+        "remove_space": False, "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    if GLM5_TEMPLATE_PATH.is_file():
+        tcfg["chat_template"] = GLM5_TEMPLATE_PATH.read_text(encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(_json_text(tcfg))
+
+
+ARCHS = {"qwen3": (_make_qwen3, QWEN3_DEFAULTS), "glm5_next": (_make_glm5, GLM5_DEFAULTS)}
 
 
 def make_tiny(out_dir, arch: str = "qwen3", seed: int = 0, **overrides) -> Path:

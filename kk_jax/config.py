@@ -95,7 +95,111 @@ class Qwen3Config:
         )
 
 
-ARCHITECTURES = {"Qwen3ForCausalLM": Qwen3Config}
+LINEAR, SPARSE = "linear_attention", "deepseek_sparse_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class Glm5NextConfig:
+    """``Glm5NextForConditionalGeneration`` text tower (reference/glm5-checkpoint.md, models.md §1).
+
+    Per layer: ``layer_types[i]`` is KDA (``linear_attention``) or DSA
+    (``deepseek_sparse_attention``: NoPE MLA + C4 pooled indexer); ``mlp_layer_types[i]`` is a
+    dense SwiGLU or an MoE; every layer is wrapped in mHC with ``hc_mult`` streams.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    mlp_layer_types: tuple[str, ...]
+    intermediate_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    swiglu_limit: float
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    index_kpool: int
+    index_kpool_always_select_tail: bool
+    linear_num_heads: int
+    linear_head_dim: int
+    linear_conv_kernel_dim: int
+    linear_lower_bound: float
+    hc_mult: int
+    hc_eps: float
+    hc_sinkhorn_iters: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "bfloat16"
+    eos_token_ids: tuple[int, ...] = ()
+
+    architecture = "Glm5NextForConditionalGeneration"
+
+    @property
+    def num_key_value_heads(self) -> int:          # MLA: one latent shared by all heads
+        return self.num_attention_heads
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "Glm5NextConfig":
+        t = dict(cfg.get("text_config") or cfg)
+        lin = t.get("linear_attn_config") or {}
+        n = t.get("num_hidden_layers")
+        if n is None:
+            raise ConfigError("config.json text_config lacks num_hidden_layers")
+        layer_types = tuple(t.get("layer_types") or [SPARSE if i % 4 == 3 else LINEAR for i in range(n)])
+        mlp_types = tuple(t.get("mlp_layer_types") or ["dense"] * min(3, n) + ["sparse"] * max(0, n - 3))
+        problems = []
+        if len(layer_types) != n or any(x not in (LINEAR, SPARSE) for x in layer_types):
+            problems.append(f"layer_types must list {n} entries of {LINEAR!r}/{SPARSE!r}, got {list(layer_types)}")
+        if len(mlp_types) != n or any(x not in ("dense", "sparse") for x in mlp_types):
+            problems.append(f"mlp_layer_types must list {n} entries of 'dense'/'sparse', got {list(mlp_types)}")
+        if any(x != "full" for x in (t.get("indexer_types") or [])):
+            problems.append("indexer_types 'shared' (cross-layer top-k reuse) is not supported yet")
+        if int(t.get("qk_rope_head_dim", 0)) != 0:
+            problems.append(f"qk_rope_head_dim must be 0 (NoPE MLA), got {t.get('qk_rope_head_dim')}")
+        if int(t.get("n_group", 1)) != 1 or int(t.get("topk_group", 1)) != 1:
+            problems.append("group-limited routing (n_group/topk_group != 1) is not supported")
+        kpool = int(t.get("index_kpool", 16))
+        if int(t.get("index_topk", 2048)) % kpool:
+            problems.append(f"index_topk={t.get('index_topk')} must be a multiple of index_kpool={kpool}")
+        if problems:
+            raise ConfigError("inconsistent GLM-5.3 config: " + "; ".join(problems))
+        eos = t.get("eos_token_id", cfg.get("eos_token_id"))
+        return cls(
+            vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], num_hidden_layers=n,
+            layer_types=layer_types, mlp_layer_types=mlp_types,
+            intermediate_size=t["intermediate_size"], moe_intermediate_size=t["moe_intermediate_size"],
+            n_routed_experts=t["n_routed_experts"], num_experts_per_tok=t["num_experts_per_tok"],
+            n_shared_experts=t.get("n_shared_experts", 1), routed_scaling_factor=float(t["routed_scaling_factor"]),
+            norm_topk_prob=bool(t.get("norm_topk_prob", True)), swiglu_limit=float(t.get("swiglu_limit", 10.0)),
+            num_attention_heads=t["num_attention_heads"], q_lora_rank=t["q_lora_rank"],
+            kv_lora_rank=t["kv_lora_rank"], qk_nope_head_dim=t["qk_nope_head_dim"], v_head_dim=t["v_head_dim"],
+            index_n_heads=t["index_n_heads"], index_head_dim=t["index_head_dim"], index_topk=t["index_topk"],
+            index_kpool=kpool, index_kpool_always_select_tail=bool(t.get("index_kpool_always_select_tail", True)),
+            linear_num_heads=lin.get("num_heads", t.get("linear_num_heads", 64)),
+            linear_head_dim=lin.get("head_dim", t.get("linear_head_dim", 128)),
+            linear_conv_kernel_dim=lin.get("short_conv_kernel_size", t.get("linear_conv_kernel_dim", 4)),
+            linear_lower_bound=float(lin.get("gate_lower_bound", t.get("linear_lower_bound", -5.0))),
+            hc_mult=t.get("hc_mult", 4), hc_eps=float(t.get("hc_eps", 1e-6)),
+            hc_sinkhorn_iters=t.get("hc_sinkhorn_iters", 20), rms_norm_eps=float(t.get("rms_norm_eps", 1e-5)),
+            max_position_embeddings=t.get("max_position_embeddings", 1 << 20),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", t.get("tie_word_embeddings", False))),
+            torch_dtype=str(cfg.get("dtype") or t.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+        )
+
+
+ARCHITECTURES = {"Qwen3ForCausalLM": Qwen3Config, "Glm5NextForConditionalGeneration": Glm5NextConfig}
 
 
 def load_model_config(model_dir: str | Path) -> Qwen3Config:
