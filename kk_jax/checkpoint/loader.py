@@ -28,8 +28,11 @@ class CheckpointError(ValueError):
     """The checkpoint does not match what the model expects; the message lists every problem."""
 
 
-def validate(model_dir: Path, expected: dict[str, tuple[tuple[int, ...], Any]]) -> dict:
-    """Returns the tensor index if it matches ``expected`` {name: (shape, axes)} exactly."""
+def validate(model_dir: Path, expected: dict[str, tuple[tuple[int, ...], Any]], ignore: Sequence[str] = ()) -> dict:
+    """Returns the tensor index if it matches ``expected`` {name: (shape, axes)} exactly.
+
+    Tensors whose names start with a prefix in ``ignore`` (parts of the checkpoint the model
+    does not serve, e.g. a vision tower) may be present and are skipped."""
     try:
         found = index_checkpoint(model_dir)
     except FileNotFoundError as e:
@@ -45,6 +48,8 @@ def validate(model_dir: Path, expected: dict[str, tuple[tuple[int, ...], Any]]) 
         if info.dtype not in FLOAT_CODES:
             problems.append(f"tensor {name} has dtype {info.dtype}, expected a float type (F32/BF16/F16)")
     for name in sorted(set(found) - set(expected)):
+        if name.startswith(tuple(ignore)):
+            continue
         problems.append(f"unexpected tensor {name} (shape {list(found[name].shape)})")
     if problems:
         raise CheckpointError(f"checkpoint {model_dir} does not match the model ({len(problems)} problems):\n  "
@@ -53,10 +58,11 @@ def validate(model_dir: Path, expected: dict[str, tuple[tuple[int, ...], Any]]) 
 
 
 def load_params(model_dir: str | Path, expected: dict[str, tuple[tuple[int, ...], Sequence]],
-                dtype, mesh: Mesh, progress: bool = True) -> dict[str, jax.Array]:
-    """Loads {name: (shape, logical axes)} from ``model_dir`` as sharded arrays of ``dtype``."""
+                dtype, mesh: Mesh, progress: bool = True, ignore: Sequence[str] = ()) -> dict[str, jax.Array]:
+    """Loads {name: (shape, logical axes)} from ``model_dir`` as sharded arrays of ``dtype``
+    (tensors under the ``ignore`` prefixes are allowed and not loaded)."""
     model_dir = Path(model_dir)
-    found = validate(model_dir, expected)
+    found = validate(model_dir, expected, ignore)
     out = {}
     for name, (shape, axes) in tqdm(expected.items(), desc="loading weights", unit="tensor",
                                     disable=not progress, leave=False):
