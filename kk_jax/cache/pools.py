@@ -4,8 +4,10 @@ Two kinds of entries share one pool type, so hybrid models (GLM-5.3: paged KV fo
 layers, recurrent-state and conv-state slots for KDA layers) keep all their cache in one
 donated pytree:
 
-* ``PagedSpec`` — per-token data in pages: array ``[num_pages, page_size, *entry_shape]``,
-  addressed through a sequence's page table. Page 0 is a dummy that padded rows write to.
+* ``PagedSpec`` — per-token data in pages: array ``[num_pages, page_size / tokens_per_entry,
+  *entry_shape]``, addressed through a sequence's page table (one entry per token, or per
+  group of ``tokens_per_entry`` tokens, e.g. pooled indexer keys). Page 0 is a dummy that
+  padded rows write to.
 * ``SlotSpec`` — per-sequence data: array ``[num_slots, *entry_shape]`` (e.g. a KDA state
   ``[H, K, V]`` fp32, a conv state ``[taps, channels]``), addressed by a sequence's slot.
   Slot 0 is a dummy; a slot is zeroed before a new sequence uses it.
@@ -32,6 +34,7 @@ class PagedSpec:
     entry_shape: tuple[int, ...]
     dtype: Any
     axes: tuple[str | None, ...]
+    tokens_per_entry: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +53,8 @@ def _entry_bytes(spec) -> int:
 
 def bytes_per_page(layout: CacheLayout, page_size: int) -> int:
     """Bytes one page occupies summed over every paged entry (all shards)."""
-    return sum(page_size * _entry_bytes(s) for s in layout.values() if isinstance(s, PagedSpec))
+    return sum(page_size // s.tokens_per_entry * _entry_bytes(s) for s in layout.values()
+               if isinstance(s, PagedSpec))
 
 
 def bytes_per_slot(layout: CacheLayout) -> int:
@@ -59,7 +63,9 @@ def bytes_per_slot(layout: CacheLayout) -> int:
 
 def pool_shape(spec, num_pages: int, page_size: int, num_slots: int) -> tuple[int, ...]:
     if isinstance(spec, PagedSpec):
-        return (num_pages, page_size, *spec.entry_shape)
+        if page_size % spec.tokens_per_entry:
+            raise ValueError(f"page_size {page_size} is not a multiple of {spec.tokens_per_entry} tokens per entry")
+        return (num_pages, page_size // spec.tokens_per_entry, *spec.entry_shape)
     return (num_slots, *spec.entry_shape)
 
 

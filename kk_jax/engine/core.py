@@ -13,7 +13,7 @@ from pathlib import Path
 
 import jax
 
-from kk_jax.cache.pages import PageAllocator
+from kk_jax.cache.pages import PageAllocator, SlotAllocator
 from kk_jax.checkpoint.default import cache_root
 from kk_jax.config import EngineConfig, load_model_config, resolve_dtype
 from kk_jax.engine.request import (Request, RequestError, RequestOutput, SamplingParams, Status,
@@ -59,10 +59,12 @@ class LLMEngine:
         self.runner = ModelRunner(model_class(self.model_config.architecture), self.model_config, self.model_dir,
                                   self.dtype, config, self.mesh, progress=progress)
         self.pages = PageAllocator(self.runner.num_pages)
+        self.slots = SlotAllocator(config.max_num_seqs + 1) if self.runner.has_slots else None
         self.scheduler = Scheduler(self.pages, self.runner.buckets, page_size=config.page_size,
                                    max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_model_len=config.max_model_len, decode_steps=config.decode_steps)
+                                   max_model_len=config.max_model_len, decode_steps=config.decode_steps,
+                                   slots=self.slots)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or self.model_config.eos_token_ids)
         self._rng = random.Random(config.seed)
         self._tracked: dict[str, _Tracked] = {}
@@ -136,10 +138,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one device call; returns an output for every request that progressed or finished."""
         sched = self.scheduler.schedule()
+        if self.slots is not None:
+            self.runner.zero_slots(self.slots.take_dirty())     # a reused slot starts from zero
         touched: list[_Tracked] = []
         if sched.prefill:
             rows = [PrefillRow(w.request.all_token_ids[w.start:w.start + w.length], w.start, w.request.pages,
-                               w.request.params, w.request.seed, len(w.request.output_token_ids))
+                               w.request.slot, w.request.params, w.request.seed, len(w.request.output_token_ids))
                     for w in sched.prefill]
             for w, res in zip(sched.prefill, self.runner.prefill(rows)):
                 req = w.request
@@ -147,7 +151,8 @@ class LLMEngine:
                 if req.num_computed == req.num_tokens:        # prompt complete: keep the sample
                     touched.append(self._append(req, res))
         elif sched.decode:
-            rows = [DecodeRow(w.request.all_token_ids[-1], w.request.num_tokens - 1, w.request.pages, w.budget,
+            rows = [DecodeRow(w.request.all_token_ids[-1], w.request.num_tokens - 1, w.request.pages,
+                              w.request.slot, w.budget,
                               self._stop_ids(w.request.params), w.request.params, w.request.seed,
                               len(w.request.output_token_ids)) for w in sched.decode]
             for w, res in zip(sched.decode, self.runner.decode(rows)):

@@ -108,6 +108,7 @@ class Request:
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
     pages: list[int] = dataclasses.field(default_factory=list)
+    slot: int = 0                               # per-sequence state slot (0: none / dummy)
     num_computed: int = 0                       # tokens whose K/V are in the cache
     finish_reason: str | None = None
     num_preemptions: int = 0

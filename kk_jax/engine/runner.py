@@ -27,13 +27,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from kk_jax.cache.pools import CacheLayout, allocate_pools, bytes_per_page, pool_sharding
+from kk_jax.cache.pools import CacheLayout, SlotSpec, allocate_pools, bytes_per_page, pool_sharding, zero_slots
 from kk_jax.checkpoint.loader import load_params, random_params
 from kk_jax.config import EngineConfig
 from kk_jax.engine.request import MAX_LOGPROBS
 from kk_jax.engine.sampler import SamplingArrays, sample
-from kk_jax.models.attention.paged import AttentionBatch, PagedAttention
-from kk_jax.parallel.mesh import check_divisible
+from kk_jax.models.attention.paged import AttentionBatch
+from kk_jax.parallel.mesh import check_divisible, sharding
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,32 @@ def resolve_backend(name: str) -> str:
 
 def kv_dtype(name: str, model_dtype):
     return {"auto": model_dtype, "bfloat16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}[name]
+
+
+def checkpoint_tensors(flat) -> tuple[dict, dict[str, list[str]]]:
+    """Expected checkpoint tensors {name: (shape, axes)} for the model's flat NNX state, and,
+    for stacked routed experts (``hf_experts`` metadata ``(name, E)`` on a ``[E, in, out]``
+    param), the per-expert checkpoint names (``...experts.{e}.{name}.weight``, HF ``[out, in]``)
+    each stacked param is built from."""
+    expected, stacks = {}, {}
+    for path, var in flat:
+        name = ".".join(map(str, path))
+        spec = var.get_metadata().get("hf_experts")
+        if spec is None:
+            expected[name] = (var.shape, var.axes)
+            continue
+        proj, n = spec
+        base = ".".join(map(str, path[:-1]))
+        names = [f"{base}.{e}.{proj}.weight" for e in range(n)]
+        for n_ in names:
+            expected[n_] = ((var.shape[2], var.shape[1]), (var.axes[2], var.axes[1]))
+        stacks[name] = names
+    return expected, stacks
+
+
+def stack_experts(per_expert: list[jax.Array], out_sharding) -> jax.Array:
+    """[out, in] per expert -> [E, in, out], placed with the stacked param's sharding."""
+    return jax.jit(lambda ws: jnp.stack([w.T for w in ws]), out_shardings=out_sharding)(per_expert)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +115,7 @@ class PrefillRow:
     tokens: list[int]            # the chunk
     start: int                   # position of tokens[0]
     pages: list[int]
+    slot: int                    # state slot (0 when the model keeps no per-sequence state)
     params: object               # SamplingParams
     seed: int
     token_index: int             # index of the token sampled at the chunk end
@@ -99,6 +126,7 @@ class DecodeRow:
     token: int                   # last token (its K/V not yet in the cache)
     position: int
     pages: list[int]
+    slot: int
     budget: int                  # max tokens to generate in this call
     stop_ids: list[int]
     params: object
@@ -130,23 +158,26 @@ class ModelRunner:
         abstract = nnx.eval_shape(lambda: model_cls(model_cfg, dtype))
         self.graphdef, state = nnx.split(abstract)
         flat = nnx.to_flat_state(state)
-        expected = {".".join(map(str, path)): (v.shape, v.axes) for path, v in flat}
+        expected, stacks = checkpoint_tensors(flat)
         t0 = time.perf_counter()
         if random_weights_seed is None:
-            params = load_params(model_dir, expected, dtype, mesh, progress=progress)
+            params = load_params(model_dir, expected, dtype, mesh, progress=progress,
+                                 ignore=model_cls.ignored_tensors(model_cfg))
         else:
             params = random_params(expected, dtype, mesh, random_weights_seed)
         pure = {}
-        for path, _ in flat:
+        for path, var in flat:
+            name = ".".join(map(str, path))
             node = pure
             for part in path[:-1]:
                 node = node.setdefault(part, {})
-            node[path[-1]] = params[".".join(map(str, path))]
+            node[path[-1]] = (stack_experts([params.pop(n) for n in stacks[name]], sharding(mesh, var.axes))
+                              if name in stacks else params.pop(name))
         nnx.replace_by_pure_dict(state, pure)
         self.weights, self.treedef = jax.tree.flatten(state)
         self.weights = tuple(self.weights)
         self.weight_bytes = sum(w.nbytes for w in self.weights)
-        log.info("loaded %d tensors (%.1f MB) in %.2fs", len(params), self.weight_bytes / 1e6,
+        log.info("loaded %d tensors (%.1f MB) in %.2fs", len(expected), self.weight_bytes / 1e6,
                  time.perf_counter() - t0)
 
         self.layout: CacheLayout = model_cls.cache_layout(model_cfg, kv_dtype(cfg.kv_cache_dtype, dtype))
@@ -158,7 +189,8 @@ class ModelRunner:
         self.pools = allocate_pools(self.layout, num_pages=self.num_pages, page_size=cfg.page_size,
                                     num_slots=cfg.max_num_seqs + 1, mesh=mesh)
         self.pool_shardings = {n: pool_sharding(s, mesh) for n, s in self.layout.items()}
-        self.attn = PagedAttention(mesh=mesh, backend=self.backend, scale=1.0 / math.sqrt(model_cfg.head_dim))
+        self.has_slots = any(isinstance(s, SlotSpec) for s in self.layout.values())
+        self.ops = model_cls.make_ops(model_cfg, mesh, self.backend)
         self._compiled: dict = {}
         self.compile_seconds = 0.0
         self.host_seconds = 0.0      # host time spent packing inputs and unpacking outputs
@@ -181,15 +213,15 @@ class ModelRunner:
     def _model(self, weights):
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, list(weights)))
 
-    def _prefill_fn(self, weights, pools, tokens, positions, valid, page_table, kv_lens, last_idx, sa,
+    def _prefill_fn(self, weights, pools, tokens, positions, valid, page_table, kv_lens, slots, last_idx, sa,
                     token_index):
         model = self._model(weights)
-        batch = AttentionBatch(positions, valid, page_table, kv_lens)
-        h, pools = model(tokens, batch, pools, self.attn)
+        batch = AttentionBatch(positions, valid, page_table, kv_lens, slots)
+        h, pools = model(tokens, batch, pools, self.ops)
         h_last = jnp.take_along_axis(h, last_idx[:, None, None], axis=1)[:, 0]       # [B, hidden]
         return pools, sample(model.logits(h_last), sa, token_index)
 
-    def _decode_fn(self, weights, pools, tokens, positions, page_table, active, budget, stop_ids, sa,
+    def _decode_fn(self, weights, pools, tokens, positions, page_table, slots, active, budget, stop_ids, sa,
                    token_index):
         model = self._model(weights)
         n_steps, b = self.cfg.decode_steps, tokens.shape[0]
@@ -204,8 +236,8 @@ class ModelRunner:
         def body(c):
             i, pools, tokens, positions, active, token_index, n_gen, outs = c
             batch = AttentionBatch(positions[:, None], active[:, None], page_table,
-                                   jnp.where(active, positions + 1, 0))
-            h, pools = model(tokens[:, None], batch, pools, self.attn)
+                                   jnp.where(active, positions + 1, 0), slots)
+            h, pools = model(tokens[:, None], batch, pools, self.ops)
             nxt, lp, top_ids, top_lp = sample(model.logits(h[:, 0]), sa, token_index)
             outs = tuple(o.at[i].set(x) for o, x in zip(outs, (nxt, lp, top_ids, top_lp)))
             n_gen = n_gen + active
@@ -231,9 +263,10 @@ class ModelRunner:
         pools = {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for n, a in self.pools.items()}
         if kind == "prefill":
             return (weights, pools, sds((b, t), jnp.int32), sds((b, t), jnp.int32), sds((b, t), jnp.bool_),
-                    sds((b, mp), jnp.int32), sds((b,), jnp.int32), sds((b,), jnp.int32), sa, sds((b,), jnp.int32))
+                    sds((b, mp), jnp.int32), sds((b,), jnp.int32), sds((b,), jnp.int32), sds((b,), jnp.int32), sa,
+                    sds((b,), jnp.int32))
         return (weights, pools, sds((b,), jnp.int32), sds((b,), jnp.int32), sds((b, mp), jnp.int32),
-                sds((b,), jnp.bool_), sds((b,), jnp.int32), sds((b, MAX_STOP_IDS), jnp.int32), sa,
+                sds((b,), jnp.int32), sds((b,), jnp.bool_), sds((b,), jnp.int32), sds((b, MAX_STOP_IDS), jnp.int32), sa,
                 sds((b,), jnp.int32))
 
     def _compile(self, kind: str, b: int, t: int = 1):
@@ -249,9 +282,22 @@ class ModelRunner:
             log.info("compiled %s B=%d T=%d in %.2fs", kind, b, t, dt)
         return self._compiled[key]
 
+    def zero_slots(self, slots: list[int]) -> None:
+        """Zeroes the given state slots in every slot pool. The slot list is padded to a fixed
+        length with the dummy slot 0, so this compiles once."""
+        if not slots:
+            return
+        padded = np.zeros((self.cfg.max_num_seqs + 1,), np.int32)
+        padded[: len(slots)] = slots
+        self.pools = zero_slots(self.pools, self.layout, padded)
+
     def warmup(self) -> list[tuple[str, int, int, float]]:
         """Compiles every bucket; returns (kind, B, T, seconds) per program."""
         report = []
+        if self.has_slots:
+            t0 = time.perf_counter()
+            self.zero_slots([0])
+            report.append(("zero_slots", self.cfg.max_num_seqs + 1, 1, time.perf_counter() - t0))
         for kind, shapes in (("decode", [(b, 1) for b in self.buckets.decode]), ("prefill", self.buckets.prefill)):
             for b, t in shapes:
                 t0 = time.perf_counter()
@@ -265,6 +311,12 @@ class ModelRunner:
         for i, pages in enumerate(rows_pages):
             table[i, : len(pages)] = pages
         return table
+
+    @staticmethod
+    def _slots(rows, b: int) -> np.ndarray:
+        slots = np.zeros((b,), np.int32)
+        slots[: len(rows)] = [r.slot for r in rows]
+        return slots
 
     def prefill(self, rows: list[PrefillRow]) -> list[Sampled]:
         """Runs one chunk per row; returns each row's token sampled at its chunk end."""
@@ -288,7 +340,8 @@ class ModelRunner:
         sa = SamplingArrays.from_params([r.params for r in rows] + [None] * (b - len(rows)),
                                         [r.seed for r in rows] + [0] * (b - len(rows)), b)
         fn = self._compile("prefill", b, t)
-        args = (tokens, positions, valid, self._page_table([r.pages for r in rows], b), kv_lens, last, sa, tidx)
+        args = (tokens, positions, valid, self._page_table([r.pages for r in rows], b), kv_lens,
+                self._slots(rows, b), last, sa, tidx)
         h1 = time.perf_counter()
         self.pools, out = fn(self.weights, self.pools, *args)
         nxt, lp, top_ids, top_lp = jax.device_get(out)
@@ -314,7 +367,8 @@ class ModelRunner:
         sa = SamplingArrays.from_params([r.params for r in rows] + [None] * (b - len(rows)),
                                         [r.seed for r in rows] + [0] * (b - len(rows)), b)
         fn = self._compile("decode", b)
-        args = (tokens, positions, self._page_table([r.pages for r in rows], b), active, budget, stop, sa, tidx)
+        args = (tokens, positions, self._page_table([r.pages for r in rows], b), self._slots(rows, b), active,
+                budget, stop, sa, tidx)
         h1 = time.perf_counter()
         self.pools, out = fn(self.weights, self.pools, *args)
         n_gen, (toks, lps, top_ids, top_lps) = jax.device_get(out)

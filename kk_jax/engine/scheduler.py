@@ -14,7 +14,7 @@ import collections
 import dataclasses
 import math
 
-from kk_jax.cache.pages import PageAllocator
+from kk_jax.cache.pages import PageAllocator, SlotAllocator
 from kk_jax.engine.request import Request, Status
 from kk_jax.engine.runner import Buckets
 
@@ -41,8 +41,11 @@ class Schedule:
 
 class Scheduler:
     def __init__(self, pages: PageAllocator, buckets: Buckets, *, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, decode_steps: int):
-        self.pages, self.buckets = pages, buckets
+                 max_num_batched_tokens: int, max_model_len: int, decode_steps: int,
+                 slots: SlotAllocator | None = None):
+        """``slots``: per-sequence state slots for models that keep recurrent state (one per
+        admitted request, held until it finishes or is preempted); None for pure-KV models."""
+        self.pages, self.buckets, self.slots = pages, buckets, slots
         self.page_size, self.max_num_seqs = page_size, max_num_seqs
         self.budget, self.max_model_len, self.decode_steps = max_num_batched_tokens, max_model_len, decode_steps
         self.waiting: collections.deque[Request] = collections.deque()   # not yet admitted (or preempted)
@@ -66,6 +69,9 @@ class Scheduler:
         if req.pages:
             self.pages.free(req.pages)
             req.pages = []
+        if req.slot:
+            self.slots.free(req.slot)
+            req.slot = 0
         req.num_computed = 0
 
     def has_work(self) -> bool:
@@ -123,6 +129,8 @@ class Scheduler:
                     break
                 req = self.waiting.popleft()
                 req.status = Status.RUNNING
+                if self.slots is not None:
+                    req.slot = self.slots.allocate()
                 self.running.append(req)
                 candidates.append(req)
             req = candidates[len(sched.prefill)]
@@ -146,6 +154,7 @@ class Scheduler:
         """Puts back a request that was admitted in this step but got no work."""
         if req.num_computed == 0 and not req.pages and req in self.running:
             self.running.remove(req)
+            self._release(req)
             req.status = Status.WAITING
             self.waiting.appendleft(req)
 

@@ -92,8 +92,13 @@ class Qwen3ForCausalLM(nnx.Module):
         return {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
                 "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size}
 
-    def attention_scale(self) -> float:
-        return 1.0 / math.sqrt(self.cfg.head_dim)
+    @staticmethod
+    def ignored_tensors(cfg: Qwen3Config) -> tuple[str, ...]:
+        return ()
+
+    @staticmethod
+    def make_ops(cfg: Qwen3Config, mesh, backend: str) -> PagedAttention:
+        return PagedAttention(mesh=mesh, backend=backend, scale=1.0 / math.sqrt(cfg.head_dim))
 
     def __call__(self, tokens, batch: AttentionBatch, pools: dict, attn: PagedAttention):
         """tokens [B, T] int32 -> (hidden [B, T, hidden] after the final norm, pools)."""

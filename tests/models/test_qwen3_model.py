@@ -21,11 +21,11 @@ def full_logits(llm: LLM, ids: list[int]) -> np.ndarray:
     table[0, :n_pages] = np.arange(1, n_pages + 1)
     t = len(ids)
     batch = AttentionBatch(jnp.arange(t, dtype=jnp.int32)[None], jnp.ones((1, t), bool), jnp.asarray(table),
-                           jnp.array([t], jnp.int32))
+                           jnp.array([t], jnp.int32), jnp.zeros((1,), jnp.int32))
 
     def fwd(weights, pools, tokens, batch):
         model = runner._model(weights)
-        h, _ = model(tokens, batch, pools, runner.attn)
+        h, _ = model(tokens, batch, pools, runner.ops)
         return model.logits(h)
 
     pools = jax.tree.map(jnp.copy, runner.pools)

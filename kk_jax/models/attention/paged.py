@@ -33,23 +33,30 @@ class AttentionBatch:
     valid      [B, T] bool   real tokens; padded tokens write K/V to the dummy page 0
     page_table [B, max_pages] int32  pages of each sequence; unused entries are 0
     kv_lens    [B] int32     tokens in the cache after this step (0 for padded rows)
+    slots      [B] int32     per-sequence state slot (0, the dummy, for padded rows and for
+                             models without slot state)
     """
 
     positions: jax.Array
     valid: jax.Array
     page_table: jax.Array
     kv_lens: jax.Array
+    slots: jax.Array
+
+
+def write_pages(pages, x, positions, valid, page_table):
+    """Scatters per-token x [B, T, ...] into pages [P, page_size, ...] at their positions;
+    invalid (padded) tokens go to the dummy page 0."""
+    page_size = pages.shape[1]
+    page = jnp.take_along_axis(page_table, positions // page_size, axis=1)   # [B, T]
+    page = jnp.where(valid, page, 0)
+    return pages.at[page, positions % page_size].set(x.astype(pages.dtype))
 
 
 def write_kv(k_pages, v_pages, k, v, positions, valid, page_table):
     """Scatters k/v [B, T, Hkv, D] into pages [P, page_size, Hkv, D] at their positions."""
-    page_size = k_pages.shape[1]
-    page = jnp.take_along_axis(page_table, positions // page_size, axis=1)   # [B, T]
-    page = jnp.where(valid, page, 0)
-    off = positions % page_size
-    k_pages = k_pages.at[page, off].set(k.astype(k_pages.dtype))
-    v_pages = v_pages.at[page, off].set(v.astype(v_pages.dtype))
-    return k_pages, v_pages
+    return (write_pages(k_pages, k, positions, valid, page_table),
+            write_pages(v_pages, v, positions, valid, page_table))
 
 
 def prefill_attention_reference(q, k, v, positions, kv_lens, scale):

@@ -1,16 +1,26 @@
-"""SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``; gate/up column-parallel, down row-parallel."""
+"""SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``; gate/up column-parallel, down row-parallel.
+
+With ``limit`` (GLM-5.3's ``swiglu_limit``) the gate is clamped from above and up on both
+sides before SiLU·mul.
+"""
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from kk_jax.models.layers.linear import Linear
 
 
 class SwiGLU(nnx.Module):
-    def __init__(self, hidden: int, intermediate: int, dtype):
+    def __init__(self, hidden: int, intermediate: int, dtype, limit: float | None = None):
+        self.limit = limit
         self.gate_proj = Linear(hidden, intermediate, dtype, axes=("mlp", "embed"))
         self.up_proj = Linear(hidden, intermediate, dtype, axes=("mlp", "embed"))
         self.down_proj = Linear(intermediate, hidden, dtype, axes=("embed", "mlp"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.limit is not None:
+            gate = jnp.minimum(gate, self.limit)
+            up = jnp.clip(up, -self.limit, self.limit)
+        return self.down_proj(jax.nn.silu(gate) * up)

@@ -1,0 +1,124 @@
+"""GLM-5.3's C4 pooled lightning indexer (models.md §1.4, glm5-checkpoint.md edge cases).
+
+Keys are LayerNorm'd per token, then every ``kpool`` (4) consecutive tokens are pooled by a
+per-channel softmax over the pool's slots (gate scores + ``ape``). A query at position ``pos``
+scores the complete pools ending at or before ``pos``:
+``Σ_h w_h · ReLU(q_h · K_p / √d)`` with ``w = weights_proj(x) / √heads``, keeps the top
+``index_topk / kpool`` pools and always the incomplete tail ``kpool·⌊(pos+1)/kpool⌋ … pos``.
+With no more complete pools than that, selection is exactly dense causal attention.
+
+Cache: pooled keys live in pages (``kpool`` tokens per entry) next to the latent pages; the
+raw keys and gate scores of a sequence's incomplete pool live in its slot
+(``tail [2 (key | gate), kpool, d]`` fp32) and carry across chunks and decode steps.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kk_jax.models.layers.linear import Linear
+
+_NEG = -jnp.inf
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim: int, dtype, eps: float = 1e-6):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype), axes=(None,))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype), axes=(None,))
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        mu = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mu), axis=-1, keepdims=True)
+        y = (xf - mu) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class PooledIndexer(nnx.Module):
+    def __init__(self, cfg, dtype):
+        d, ih, idim = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim
+        self.heads, self.dim, self.kpool = ih, idim, cfg.index_kpool
+        self.select_pools = cfg.index_topk // cfg.index_kpool
+        self.with_tail = cfg.index_kpool_always_select_tail
+        self.wq_b = Linear(cfg.q_lora_rank, ih * idim, dtype, axes=(None, None))
+        self.wk = Linear(d, idim, dtype, axes=(None, "embed"))
+        self.k_norm = LayerNorm(idim, dtype)
+        self.weights_proj = Linear(d, ih, dtype, axes=(None, "embed"))
+        self.index_kpool_compress_ape = nnx.Param(jnp.zeros((self.kpool, idim), dtype), axes=(None, None))
+        self.index_kpool_compress_gate = nnx.Param(jnp.zeros((idim, d), dtype), axes=(None, "embed"))
+
+    def update_pools(self, x, index_pool, tail_pool, slots, positions, valid, page_table):
+        """Pools every key group this chunk completes into ``index_pool [P, page/kpool, d]`` and
+        carries the new incomplete group in ``tail_pool [S, 2, kpool, d]``.
+
+        x [B, T, D] (normed hidden); positions [B, T] (a row's tokens are consecutive from
+        positions[:, 0]); valid [B, T] a prefix of each row."""
+        b, t, _ = x.shape
+        kp, d = self.kpool, self.dim
+        ik = self.k_norm(self.wk(x)).astype(jnp.float32)                                    # [B, T, d]
+        ig = jnp.einsum("btD,dD->btd", x, self.index_kpool_compress_gate[...],
+                        preferred_element_type=jnp.float32)                                  # [B, T, d]
+        n = jnp.sum(valid, axis=1).astype(jnp.int32)
+        start = positions[:, 0]
+        r = start % kp                                     # tokens of the open group already seen
+        tail = tail_pool[slots]                                                              # [B, 2, kp, d]
+        ext_len = -(-(t + kp - 1) // kp) * kp
+        j = jnp.arange(ext_len)
+        src = jnp.clip(j[None] - r[:, None], 0, t - 1)                                      # [B, L]
+        from_tail = j[None] < r[:, None]
+        take = lambda a: jnp.take_along_axis(a, src[..., None], axis=1)
+        tail_idx = jnp.clip(j, 0, kp - 1)[None, :, None]
+        ext_k = jnp.where(from_tail[..., None], jnp.take_along_axis(tail[:, 0], jnp.broadcast_to(
+            tail_idx, (b, ext_len, 1)), axis=1), take(ik))
+        ext_g = jnp.where(from_tail[..., None], jnp.take_along_axis(tail[:, 1], jnp.broadcast_to(
+            tail_idx, (b, ext_len, 1)), axis=1), take(ig))
+        groups = ext_len // kp
+        gk = ext_k.reshape(b, groups, kp, d)
+        gg = ext_g.reshape(b, groups, kp, d)
+        prob = jax.nn.softmax(gg + self.index_kpool_compress_ape[...].astype(jnp.float32), axis=2)
+        pooled = jnp.sum(prob * gk, axis=2)                                                  # [B, G, d]
+        q = jnp.arange(groups)
+        complete = (q[None] + 1) * kp <= (r + n)[:, None]                                    # [B, G]
+        pool_id = (start - r)[:, None] // kp + q[None]                                       # absolute pool index
+        per_page = index_pool.shape[1]
+        page = jnp.take_along_axis(page_table, jnp.clip(pool_id // per_page, 0, page_table.shape[1] - 1), axis=1)
+        page = jnp.where(complete, page, 0)
+        index_pool = index_pool.at[page, pool_id % per_page].set(pooled.astype(index_pool.dtype))
+        # the new open group: ext[last*kp : last*kp + m] with m = (r + n) % kp
+        last = (r + n) // kp
+        s = jnp.arange(kp)
+        gather = jnp.clip(last[:, None] * kp + s[None], 0, ext_len - 1)[..., None]
+        keep = (s[None] < ((r + n) % kp)[:, None])[..., None]
+        new_tail = jnp.stack([jnp.where(keep, jnp.take_along_axis(ext_k, gather, axis=1), 0.0),
+                              jnp.where(keep, jnp.take_along_axis(ext_g, gather, axis=1), 0.0)], axis=1)
+        tail_pool = tail_pool.at[slots].set(new_tail.astype(tail_pool.dtype))
+        return index_pool, tail_pool
+
+    def select(self, x, qr, index_pool, positions, page_table):
+        """Token mask [B, T, S] (S = the page table's token span) of what each query attends."""
+        b, t, _ = x.shape
+        kp, ih, d = self.kpool, self.heads, self.dim
+        iq = self.wq_b(qr).reshape(b, t, ih, d).astype(jnp.float32)
+        w = self.weights_proj(x).astype(jnp.float32) * ih ** -0.5                           # [B, T, ih]
+        keys = index_pool[page_table].reshape(b, -1, d).astype(jnp.float32)                  # [B, NP, d]
+        n_pools = keys.shape[1]
+        dots = jnp.einsum("bthd,bpd->bthp", iq, keys, precision=jax.lax.Precision.HIGHEST) * d ** -0.5
+        scores = jnp.einsum("bth,bthp->btp", w, jax.nn.relu(dots), precision=jax.lax.Precision.HIGHEST)
+        p = jnp.arange(n_pools)
+        visible = (p[None, None] + 1) * kp - 1 <= positions[..., None]                       # [B, T, NP]
+        scores = jnp.where(visible, scores, _NEG)
+        k = min(self.select_pools, n_pools)
+        vals, idx = jax.lax.top_k(scores, k)
+        chosen = jnp.zeros((b, t, n_pools), bool)
+        bi, ti = jnp.meshgrid(jnp.arange(b), jnp.arange(t), indexing="ij")
+        chosen = chosen.at[bi[..., None], ti[..., None], idx].max(vals > _NEG)
+        tok = jnp.arange(n_pools * kp)
+        mask = jnp.repeat(chosen, kp, axis=-1)                                               # [B, T, S]
+        if self.with_tail:
+            pos = positions[..., None]
+            tail_start = (pos + 1) - (pos + 1) % kp
+            mask = mask | ((tok[None, None] >= tail_start) & (tok[None, None] <= pos))
+        return mask

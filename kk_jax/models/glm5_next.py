@@ -1,0 +1,156 @@
+"""GLM-5.3-Flash text tower (``Glm5NextForConditionalGeneration``) as Flax NNX modules.
+
+Layers follow ``layer_types`` (KDA or DSA attention) and ``mlp_layer_types`` (dense clamped
+SwiGLU or MoE with a shared expert); each layer's two sites are wrapped in mHC over
+``hc_mult`` residual streams; the streams are averaged at the end, then the final RMSNorm
+and lm_head (reference/models.md §1, reference/glm5-checkpoint.md). NNX paths equal the
+checkpoint names (``model.language_model.layers.{i}...``); routed experts are stacked at load.
+
+Cache pools per layer: KDA — ``state [H, K, V]`` fp32 and ``conv`` slots; DSA — latent pages,
+pooled index-key pages and the indexer's open-group ``tail`` slot. The vision tower
+(``model.visual.*``) and the MTP block (layer ``num_hidden_layers``) are not served yet; their
+tensors are accepted and skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from kk_jax.cache.pools import CacheLayout, PagedSpec, SlotSpec
+from kk_jax.config import LINEAR, Glm5NextConfig
+from kk_jax.models.attention.kda import KDAAttention
+from kk_jax.models.attention.mla_sparse import SparseMLA
+from kk_jax.models.attention.paged import AttentionBatch
+from kk_jax.models.layers.embed import Embedding
+from kk_jax.models.layers.linear import Linear
+from kk_jax.models.layers.mhc import mhc_post, mhc_pre
+from kk_jax.models.layers.mlp import SwiGLU
+from kk_jax.models.layers.moe import MoE
+from kk_jax.models.layers.norm import RMSNorm
+
+
+@dataclasses.dataclass(frozen=True)
+class Glm5Ops:
+    """What the layers need besides weights: the mesh and the kernel backend (fixed per server)."""
+
+    mesh: Mesh
+    backend: str
+
+
+class Glm5DecoderLayer(nnx.Module):
+    def __init__(self, cfg: Glm5NextConfig, i: int, dtype):
+        hc, d = cfg.hc_mult, cfg.hidden_size
+        self.cfg, self.i = cfg, i
+        self.kda = cfg.layer_types[i] == LINEAR
+        self.moe = cfg.mlp_layer_types[i] == "sparse"
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", nnx.Param(jnp.zeros(((2 + hc) * hc, hc * d), jnp.float32), axes=(None, None)))
+            setattr(self, f"hc_{site}_base", nnx.Param(jnp.zeros(((2 + hc) * hc,), jnp.float32), axes=(None,)))
+            setattr(self, f"hc_{site}_scale", nnx.Param(jnp.zeros((3,), jnp.float32), axes=(None,)))
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.self_attn = KDAAttention(cfg, dtype) if self.kda else SparseMLA(cfg, dtype)
+        if self.moe:
+            self.mlp = MoE(d, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.n_shared_experts,
+                           cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.norm_topk_prob,
+                           cfg.swiglu_limit, dtype)
+        else:
+            self.mlp = SwiGLU(d, cfg.intermediate_size, dtype, limit=cfg.swiglu_limit)
+
+    def _site(self, name, x):
+        c = self.cfg
+        return mhc_pre(x, getattr(self, f"hc_{name}_fn")[...], getattr(self, f"hc_{name}_base")[...],
+                       getattr(self, f"hc_{name}_scale")[...], hc=c.hc_mult, iters=c.hc_sinkhorn_iters,
+                       eps=c.hc_eps, rms_eps=c.rms_norm_eps)
+
+    def __call__(self, x, pools: dict, batch: AttentionBatch, ops: Glm5Ops):
+        """x [B, T, hc, D] residual streams -> (x, pools)."""
+        p = f"layers.{self.i}."
+        post, comb, u = self._site("attn", x)
+        h = self.input_layernorm(u)
+        if self.kda:
+            y, pools[p + "state"], pools[p + "conv"] = self.self_attn(
+                h, pools[p + "state"], pools[p + "conv"], batch.slots, batch.valid, ops.backend, ops.mesh)
+        else:
+            y, pools[p + "latent"], pools[p + "index_k"], pools[p + "index_tail"] = self.self_attn(
+                h, pools[p + "latent"], pools[p + "index_k"], pools[p + "index_tail"], batch)
+        x = mhc_post(x, y, post, comb)
+        post, comb, u = self._site("ffn", x)
+        h = self.post_attention_layernorm(u)
+        y = self.mlp(h, ops.mesh) if self.moe else self.mlp(h)
+        return mhc_post(x, y, post, comb), pools
+
+
+class Glm5TextModel(nnx.Module):
+    def __init__(self, cfg: Glm5NextConfig, dtype):
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nnx.List([Glm5DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class Glm5Outer(nnx.Module):
+    def __init__(self, cfg: Glm5NextConfig, dtype):
+        self.language_model = Glm5TextModel(cfg, dtype)
+
+
+class Glm5NextForConditionalGeneration(nnx.Module):
+    config_class = Glm5NextConfig
+
+    def __init__(self, cfg: Glm5NextConfig, dtype):
+        self.cfg = cfg
+        self.model = Glm5Outer(cfg, dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype, axes=("vocab", "embed"))
+
+    @staticmethod
+    def cache_layout(cfg: Glm5NextConfig, kv_dtype) -> CacheLayout:
+        h, dk = cfg.linear_num_heads, cfg.linear_head_dim
+        layout: CacheLayout = {}
+        for i, kind in enumerate(cfg.layer_types):
+            p = f"layers.{i}."
+            if kind == LINEAR:
+                layout[p + "state"] = SlotSpec((h, dk, dk), jnp.float32, ("heads", None, None))
+                layout[p + "conv"] = SlotSpec((3, cfg.linear_conv_kernel_dim - 1, h * dk), kv_dtype,
+                                              (None, None, "heads"))
+            else:
+                layout[p + "latent"] = PagedSpec((cfg.kv_lora_rank,), kv_dtype, (None,))
+                layout[p + "index_k"] = PagedSpec((cfg.index_head_dim,), kv_dtype, (None,),
+                                                  tokens_per_entry=cfg.index_kpool)
+                layout[p + "index_tail"] = SlotSpec((2, cfg.index_kpool, cfg.index_head_dim), jnp.float32,
+                                                    (None, None, None))
+        return layout
+
+    @staticmethod
+    def divisible_sizes(cfg: Glm5NextConfig) -> dict[str, int]:
+        return {"linear_num_heads": cfg.linear_num_heads, "num_attention_heads": cfg.num_attention_heads,
+                "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
+                "vocab_size": cfg.vocab_size}
+
+    @staticmethod
+    def ignored_tensors(cfg: Glm5NextConfig) -> tuple[str, ...]:
+        """Checkpoint parts not served: the vision tower and the MTP block."""
+        return ("model.visual.", f"model.language_model.layers.{cfg.num_hidden_layers}.")
+
+    @staticmethod
+    def make_ops(cfg: Glm5NextConfig, mesh: Mesh, backend: str) -> Glm5Ops:
+        return Glm5Ops(mesh, backend)
+
+    def __call__(self, tokens, batch: AttentionBatch, pools: dict, ops: Glm5Ops):
+        """tokens [B, T] -> (hidden [B, T, D] after the stream mean and final norm, pools)."""
+        lm = self.model.language_model
+        x = lm.embed_tokens(tokens)                                                          # [B, T, D]
+        x = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.cfg.hc_mult, x.shape[-1]))
+        pools = dict(pools)
+        for i, layer in enumerate(lm.layers):
+            with jax.named_scope(f"layer_{i}"):
+                x, pools = layer(x, pools, batch, ops)
+        h = jnp.mean(x.astype(jnp.float32), axis=2).astype(x.dtype)
+        return lm.norm(h), pools
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        with jax.named_scope("lm_head"):
+            return jnp.einsum("...d,vd->...v", h, self.lm_head.weight[...], preferred_element_type=jnp.float32)
