@@ -23,4 +23,4 @@ serve: $(VENV)/.installed
 	$(PY) serve.py $(ARGS)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --durations=15 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests

@@ -10,18 +10,26 @@ Implementations, measured in the same run on the same inputs:
           pre/post ops: q scaling/padding, split combine)
   xla     the pure-jnp reference (backend="xla": gathers all pages, fp32 softmax)
   triton  jax.experimental.pallas.ops.gpu.paged_attention (Triton lowering), pools
-          converted to its [Hkv, P, page_size, D] layout outside the timed region;
-          k_splits/pages_per_compute_block tried over a small set, best kept.
+          converted to its [Hkv, P, page_size, D] layout outside the timed region
+          (its q pre-scaled by 1/sqrt(D), it has no scale argument; fp8 via its
+          per-token scale pages); k_splits / pages_per_compute_block: 16 / 8, or
+          16 / 4 when a split holds >= 16 pages (8 overflows SMEM), plus 4 / 4 at
+          batch 64 x 4K; the best is kept.
 
-Timing: one jitted function runs the op K times back to back (different q and
-page tables each time; R page tables over disjoint pages so that the data read
-per K-sequence is several times the 60 MB L2). Per-op time = (median wall time at
-K2 - median at K1) / (K2 - K1), which cancels the fixed dispatch cost and keeps
-the per-launch cost. Effective TB/s = bytes of K+V that must be read
+Timing: one jitted function runs the op K times back to back (K = 8..40, about
+1.5 ms of work), call i on its own q and its own page table. The tables are
+fresh shuffles drawn from R disjoint page sets (R * bytes per call >= 4 x the
+60 MB L2), so XLA cannot merge identical calls (a first run that reused tables
+showed merged Triton calls and merged reference gathers) and the L2 cannot
+serve one call's data to the next. Per-op time = median wall time of the jitted call / K: the jit call's
+fixed dispatch cost is spread over the K calls and counted (conservative for
+small shapes). Effective TB/s = bytes of K+V that must be read
 (sum(kv_len) * Hkv * D * 2 * itemsize) / time.
 
 Correctness: ours and triton are compared with the reference on the GPU
-(relative L2 error of the output) for every row.
+(relative L2 error of the output) for every row; a ragged-length check (kv_len
+0, 1, partial blocks) runs the default large-batch plan. --sweep also times a
+few kernel plans at batch 64 x 4K.
 
 Usage: PYTHONPATH=. python3 benchmarks/bench_paged_attention.py [--json PATH]
        [--sweep] [--quick]
@@ -92,7 +100,7 @@ def make_case(batch, ctx, pool_dtype, seed=0):
               bytes=bytes_per_call, kcalls=kcalls, sets=sets)
 
 
-def time_op(op, qs, pools, tables, lens, *, kcalls, reps=5):
+def time_op(op, qs, pools, tables, lens, *, kcalls, reps=3):
   """Seconds per op: median wall time of one jitted call that runs the op
   `kcalls` times back to back (call i on qs[i], tables[i]), divided by kcalls.
 
@@ -217,6 +225,22 @@ def bench_row(batch, ctx, pool_dtype, *, variants=None, with_xla=True,
   return row
 
 
+def check_ragged(batch, ctx, kernel=paged_decode_attention_kernel):
+  """Ragged lengths (0, 1, partial blocks, full) through the default plan vs the
+  reference, on the GPU."""
+  rng = np.random.default_rng(1)
+  lens = rng.integers(0, ctx + 1, batch).astype(np.int32)
+  lens[:4] = [0, 1, 64, ctx]
+  case = make_case(batch, ctx, jnp.bfloat16)
+  args_ = (case["qs"][0], case["k"], case["v"], case["tables"][0], jnp.asarray(lens))
+  out = jax.jit(kernel)(*args_)
+  ref = jax.jit(functools.partial(paged_decode_attention, backend="xla"))(*args_)
+  out_np = np.asarray(jnp.asarray(out, jnp.float32))
+  return dict(check=f"ragged kv_lens, batch {batch} x {ctx}, default plan",
+              rel_err=rel_err(out, ref), zero_row_ok=bool(np.all(out_np[0] == 0.0)),
+              finite=bool(np.isfinite(out_np).all()))
+
+
 def fmt(v, spec):
   return format(v, spec) if isinstance(v, (int, float)) else "n/a"
 
@@ -245,10 +269,13 @@ def main(argv=None):
   args = ap.parse_args(argv)
   print("device:", jax.devices()[0].device_kind, "| jax", jax.__version__, flush=True)
 
-  shapes = [(1, 1024), (1, 4096), (1, 16384), (8, 1024), (8, 4096), (8, 16384),
-            (64, 1024), (64, 4096)]
+  # Most important first (the run may be cut short; JSON is saved after each row).
+  shapes = [(64, 4096, jnp.bfloat16), (64, 4096, jnp.float8_e4m3fn),
+            (8, 4096, jnp.bfloat16), (1, 16384, jnp.bfloat16), (8, 16384, jnp.bfloat16),
+            (64, 1024, jnp.bfloat16), (1, 4096, jnp.bfloat16), (8, 1024, jnp.bfloat16),
+            (1, 1024, jnp.bfloat16)]
   if args.quick:
-    shapes = [(64, 4096)]
+    shapes = shapes[:1]
   rows, sweep_rows = [], []
 
   def save():
@@ -256,29 +283,14 @@ def main(argv=None):
       json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                      rows=rows, sweep=sweep_rows), f, indent=1)
 
-  for batch, ctx in shapes:
-    rows.append(bench_row(batch, ctx, jnp.bfloat16))
+  for batch, ctx, dtype in shapes:
+    rows.append(bench_row(batch, ctx, dtype))
     print_table(rows[-1:])
     save()
-  rows.append(bench_row(64, 4096, jnp.float8_e4m3fn))
-  print_table(rows[-1:])
-  save()
 
-  # Ragged lengths (0, partial blocks, full) through the default large-batch plan.
-  rng = np.random.default_rng(1)
-  lens = rng.integers(0, 4097, 64).astype(np.int32)
-  lens[:4] = [0, 1, 64, 4096]
-  case = make_case(64, 4096, jnp.bfloat16)
-  args_ = (case["qs"][0], case["k"], case["v"], case["tables"][0], jnp.asarray(lens))
-  out = jax.jit(paged_decode_attention_kernel)(*args_)
-  ref = jax.jit(functools.partial(paged_decode_attention, backend="xla"))(*args_)
-  ragged = dict(check="ragged kv_lens, batch 64 x 4K, default plan",
-                rel_err=rel_err(out, ref),
-                zero_row_ok=bool(np.all(np.asarray(out[0], np.float32) == 0.0)),
-                finite=bool(np.isfinite(np.asarray(out, np.float32)).all()))
+  ragged = check_ragged(64, 4096)
   print(json.dumps(ragged), flush=True)
   sweep_rows.append(ragged)
-  del case
   save()
 
   if args.sweep:
@@ -290,7 +302,8 @@ def main(argv=None):
     save()
 
   print("\n== paged decode attention, Hq=32 Hkv=8 D=128 page=64 ==")
-  print_table(rows)
+  print_table(sorted(rows, key=lambda r: (r['dtype'] != 'bfloat16', r['batch'],
+                                          r['context'])))
   save()
   print("wrote", args.json)
 

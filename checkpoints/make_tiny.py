@@ -491,7 +491,7 @@ GLM5_DEFAULTS = {
     "kv_lora_rank": 32,
     "qk_nope_head_dim": 16,
     "v_head_dim": 16,
-    "index_n_heads": 4,
+    "index_n_heads": 8,
     "index_head_dim": 16,
     "index_topk": 8,
     "index_kpool": 4,

@@ -1,36 +1,41 @@
 """Mosaic GPU (Hopper) paged decode attention kernel.
 
-One CTA (one warpgroup) per (kv head, context split, sequence). It streams the
-sequence's K/V pages HBM -> SMEM with TMA through the page table, several blocks
-in flight, and runs an fp32 online softmax. The GQA group of query heads that
-share a kv head is processed together, so each K/V byte is read once.
+One CTA (one warpgroup, 128 threads) per (kv head, context split, sequence). It
+streams the sequence's K/V pages HBM -> SMEM with TMA through the page table,
+`num_stages` blocks of `block_tokens` tokens in flight, and runs an fp32 online
+softmax. The GQA group of query heads sharing a kv head is processed together,
+so each K/V byte is read from HBM once.
 
-The tensor-core products are "swapped" so that the tiny query group sits in the
+The tensor-core products are "swapped" so that the small query group sits in the
 N dimension of wgmma instead of being padded to M = 64:
 
   S^T [T, Gp] = K_blk [T, D] @ Q^T [D, Gp]        (A = K tile in SMEM, B = Q^T)
   O^T [D, Gp] += V_blk^T [D, T] @ P^T [T, Gp]     (A = V^T view of the V tile, B = P^T)
 
-with T = tokens per block (>= 64), Gp = query group padded to 16/32/64. The
-softmax reduces over axis 0 (tokens). The kernel writes per-split normalised
-O^T and the base-2 log-sum-exp; the wrapper combines splits (log-sum-exp
-weights) and transposes back to [B, Hq, D].
+with T = block_tokens (64 or 128), Gp = query group padded to 16, 32 or 64. The
+softmax reduces over axis 0 (tokens). A block is one or more whole pages
+(page_size <= T, one TMA copy per page) or a slice of a page (page_size > T).
+The kernel writes per-split normalised O^T and the base-2 log-sum-exp; the
+wrapper combines splits (log-sum-exp weights), applies v_scale and transposes
+back to [B, Hq, D]. `plan` picks block size, pipeline depth and splits (small
+batch: context splits so that ~2 CTAs per SM are busy; large batch: one CTA per
+SM with 128-token blocks).
 
-Numerics: q is pre-multiplied by scale * k_scale in fp32 and rounded to bf16;
-K/V tiles are bf16 (bf16 pools are used as they are; f32 and float8_e4m3fn pools
-are converted to bf16 in SMEM); products accumulate in fp32; the softmax is fp32.
-For float8 pools v_scale is applied to the output.
+Numerics: q is multiplied by scale * k_scale in fp32 and rounded to bf16; K/V
+tiles are bf16 (bf16 pools are used as stored; f32 and float8_e4m3fn pools are
+converted to bf16 in SMEM, fp8 exactly via f16); products accumulate in fp32;
+the softmax is fp32. Expect bf16-level agreement (~3e-3 relative) with the fp32
+reference.
 
-Supported (ValueError otherwise):
-  page_size in {8, 16, 32, 64, 128, 256}; head_dim in {64, 128, 256};
-  group Hq // Hkv <= 64; pool dtype bf16, f32 or float8_e4m3fn; q bf16 or f32.
-Positions >= kv_len inside the last block get zero weight and their V rows are
-zeroed in SMEM before P @ V, so garbage (even NaN) in unused slots never leaks.
+Supported (ValueError otherwise): page_size in {8, 16, 32, 64, 128, 256};
+head_dim in {64, 128, 256}; Hq // Hkv <= 64; pool dtype bf16, f32 or
+float8_e4m3fn; q bf16 or f32. Positions >= kv_len get zero weight, and the V
+rows of the last partial block are zeroed in SMEM before P @ V, so garbage (even
+NaN) in unused pool slots never reaches the output; rows with kv_len == 0 are 0.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -42,7 +47,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .reference import validate_inputs
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 SUPPORTED_PAGE_SIZES = (8, 16, 32, 64, 128, 256)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -121,6 +125,8 @@ def _num_sms() -> int:
 
 
 def _smem_bytes(block_tokens, stages, head_dim, pool_dtype, group_p) -> int:
+  """SMEM a CTA needs: `stages` K+V blocks in the pool dtype, q, P^T, reduction
+  scratch, and the bf16 conversion buffers for non-bf16 pools."""
   stage = 2 * block_tokens * head_dim * jnp.dtype(pool_dtype).itemsize
   fixed = group_p * head_dim * 2 + group_p * block_tokens * 2 + _REDUCTION_SCRATCH
   if jnp.dtype(pool_dtype) != jnp.dtype(jnp.bfloat16):
@@ -134,8 +140,8 @@ def plan(batch, num_kv_heads, max_pages, page_size, head_dim, pool_dtype,
 
   Large batch (batch * Hkv >= #SMs), bf16 pool: no context split, one CTA per
   SM with 128-token blocks and 128 KiB of K+V buffered (2 stages at D=128):
-  measured on an H200 at batch 64 x 4K this beat 64-token blocks with 3 stages
-  and 2 CTAs per SM (3.77 vs 3.45 TB/s). Otherwise: 64-token blocks, as many
+  in a first H200 run at batch 64 x 4K this beat 64-token blocks with 3 stages
+  and 2 CTAs per SM (3.77 vs 3.45 TB/s, differential timing). Otherwise: 64-token blocks, as many
   stages (2..4) as keep two CTAs per SM; at small batch each sequence is split
   into floor(2 * #SMs / (batch * Hkv)) pieces (combined by log-sum-exp).
   Explicit arguments override the plan.
@@ -182,6 +188,8 @@ def paged_decode_attention_kernel(
     block_tokens=None):
   """Pallas Mosaic GPU paged decode attention (see module docstring).
 
+  interpret: False (compile for the GPU), True (Mosaic GPU interpret mode with
+  default InterpretGPUParams) or an InterpretGPUParams.
   Extra tuning knobs (static, default from `plan`): num_splits (context splits
   per sequence), num_stages (TMA pipeline depth), block_tokens (tokens per step:
   a multiple of 64 that divides or is a multiple of page_size).

@@ -106,6 +106,13 @@ KERNEL_CASES = [
      dict(num_q_heads=16, num_kv_heads=2, head_dim=64, page_size=32, max_pages=6,
           kv_lens=[150, 33]), jnp.float8_e4m3fn, jnp.bfloat16, {},
      dict(k_scale=0.5, v_scale=2.0)),
+    ("bf16-ps64-block128-large-plan",
+     dict(num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=64, max_pages=5,
+          kv_lens=[200, 0, 256, 1]), jnp.bfloat16, jnp.bfloat16,
+     dict(block_tokens=128, num_stages=2, num_splits=1), {}),
+    ("bf16-ps256-subpage-block128",
+     dict(num_q_heads=4, num_kv_heads=1, head_dim=64, page_size=256, max_pages=2,
+          kv_lens=[300, 100]), jnp.bfloat16, jnp.bfloat16, dict(block_tokens=128), {}),
     ("f32-ps128-g4-fq32",
      dict(num_q_heads=4, num_kv_heads=1, head_dim=64, page_size=128, max_pages=3,
           kv_lens=[257, 0]), jnp.float32, jnp.float32, {}, {}),
@@ -186,3 +193,19 @@ def test_kernel_compiled_matches_reference(pool_dtype, page_size, lens):
   for b, n in enumerate(lens):
     if n == 0:
       assert np.all(out_np[b] == 0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs an NVIDIA GPU")
+def test_kernel_compiled_large_batch_plan():
+  """batch * Hkv >= #SMs: 128-token blocks, one CTA per SM, no split."""
+  rng = np.random.default_rng(5)
+  lens = [int(x) for x in rng.integers(0, 700, 40)]
+  lens[:3] = [0, 1, 128]
+  args = make_inputs(batch=40, num_q_heads=32, num_kv_heads=8, head_dim=128,
+                     page_size=64, max_pages=12, kv_lens=lens, poison=True, seed=4)
+  out = jax.jit(paged_decode_attention)(*args)
+  ref = paged_decode_attention(*args, backend="xla")
+  out_np = np.asarray(jnp.asarray(out, jnp.float32))
+  assert np.isfinite(out_np).all() and np.all(out_np[0] == 0.0)
+  assert rel_err(out, ref) < 1e-2, rel_err(out, ref)
