@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from kk_jax.chat.template import render_chat
+from kk_jax.chat.encoders import ChatEncoder, chat_encoder_for
 
 
 class TokenizerError(ValueError):
@@ -29,6 +29,8 @@ class Tokenizer:
         self._tok = HFTokenizer.from_file(str(path))
         cfg = _read_json(model_dir / "tokenizer_config.json")
         self.chat_template: str | None = cfg.get("chat_template")
+        if self.chat_template is None and (model_dir / "chat_template.jinja").is_file():
+            self.chat_template = (model_dir / "chat_template.jinja").read_text()    # transformers >= 4.43 layout
         self.bos_token = self._token_str(cfg.get("bos_token"))
         self.eos_token = self._token_str(cfg.get("eos_token"))
         gen = _read_json(model_dir / "generation_config.json")
@@ -38,6 +40,10 @@ class Tokenizer:
             ids = [self._tok.token_to_id(self.eos_token)]
         self.eos_token_ids: tuple[int, ...] = tuple(int(i) for i in ids)
         self.vocab_size = self._tok.get_vocab_size()
+        # prompt encoder chosen by the model's config (DS4.1 is Python; the rest use the template)
+        self.chat_encoder: ChatEncoder | None = chat_encoder_for(
+            _read_json(model_dir / "config.json"), self.chat_template, bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "")
 
     @staticmethod
     def _token_str(tok) -> str | None:
@@ -52,12 +58,14 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        if not self.chat_template:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs) -> str:
+        """The prompt text of a conversation (OpenAI-shaped messages, optional OpenAI tools);
+        ``kwargs`` are the chat template's switches (e.g. ``enable_thinking``)."""
+        if self.chat_encoder is None:
             raise TokenizerError("this checkpoint has no chat_template in tokenizer_config.json; "
                                  "use completions with a plain prompt instead")
-        return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        return self.chat_encoder.encode(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
 
 
 class IncrementalDetokenizer:

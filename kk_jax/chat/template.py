@@ -34,3 +34,6 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
         raise
     except TemplateError as e:
         raise ChatTemplateError(f"chat template failed: {e}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as e:
+        # the template met data of a shape it does not handle (e.g. a non-string name)
+        raise ChatTemplateError(f"chat template failed on these messages: {type(e).__name__}: {e}") from None

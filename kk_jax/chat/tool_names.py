@@ -98,18 +98,12 @@ def normalize_tool_calls(tool_calls: Any) -> Any:
 
 
 def normalize_messages_tool_calls(messages: Any) -> Any:
-    """Returns the messages with each assistant's ``tool_calls`` normalized (new message dicts
-    only where something changed)."""
+    """Returns the messages with the ``tool_calls`` of each message normalized (new dicts for
+    the messages that carry calls; the others are passed through)."""
     if not isinstance(messages, (list, tuple)):
         return messages
-    out = []
-    for m in messages:
-        if isinstance(m, dict) and m.get("tool_calls"):
-            calls = normalize_tool_calls(m["tool_calls"])
-            if calls is not m["tool_calls"]:
-                m = {**m, "tool_calls": calls}
-        out.append(m)
-    return type(messages)(out)
+    return type(messages)({**m, "tool_calls": normalize_tool_calls(m["tool_calls"])}
+                          if isinstance(m, dict) and m.get("tool_calls") else m for m in messages)
 
 
 def normalize_tool_choice(choice: Any) -> Any:

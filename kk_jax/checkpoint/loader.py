@@ -1,16 +1,22 @@
 """Validated, sharded loading of HF safetensors checkpoints onto the device mesh.
 
-Every expected tensor is checked (present, shape, floating dtype) and every unexpected one
-is listed before any byte reaches a device; all problems are reported in one
-``CheckpointError``. Each weight is then created with ``jax.make_array_from_callback`` and its
-final ``NamedSharding``: each device receives only its own slice, read from the memory map,
-so no device ever holds (and the host never materialises per device) a full copy.
+Every expected tensor is checked (present, shape, dtype) and every unexpected one is listed
+before any byte reaches a device; all problems are reported in one ``CheckpointError``. Each
+weight is then created with ``jax.make_array_from_callback`` and its final ``NamedSharding``:
+each device receives only its own slice, read from the memory map, so no device ever holds
+(and the host never materialises per device) a full copy.
+
+``expected`` maps a name to ``(shape, axes)`` (any floating dtype in the checkpoint, cast to
+the load dtype) or to a :class:`TensorSpec`, which can also require an exact dtype (quantized
+weights and their scales are placed on the device as they are, never converted) and can
+assemble one parameter from several checkpoint tensors concatenated along axis 0
+(``sources``; fused projections, concatenated per tensor-parallel shard).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,14 +28,74 @@ from kk_jax.checkpoint.safetensors_io import LazyTensor, index_checkpoint
 from kk_jax.parallel.mesh import sharding
 
 FLOAT_CODES = {"F32", "F16", "BF16", "F64"}
+# numpy dtype name -> safetensors dtype code, for tensors that must have an exact dtype
+DTYPE_CODES = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "uint8": "U8", "int8": "I8",
+               "float32": "F32", "bfloat16": "BF16", "float16": "F16", "int32": "I32"}
 
 
 class CheckpointError(ValueError):
     """The checkpoint does not match what the model expects; the message lists every problem."""
 
 
-def validate(model_dir: Path, expected: dict[str, tuple[tuple[int, ...], Any]], ignore: Sequence[str] = ()) -> dict:
-    """Returns the tensor index if it matches ``expected`` {name: (shape, axes)} exactly.
+class TensorSpec(NamedTuple):
+    """One expected parameter.
+
+    dtype    None: any floating dtype, cast to the load dtype; else the numpy dtype name the
+             checkpoint tensor must have exactly (loaded as it is)
+    sources  ((checkpoint name, rows), ...): the parameter is these tensors concatenated along
+             axis 0; rows == 0 marks a per-tensor scalar that every source must hold with the
+             same value
+    shards   concatenate per shard: [src0 part s, src1 part s, ...] for s in range(shards)
+    """
+
+    shape: tuple
+    axes: Sequence
+    dtype: str | None = None
+    sources: tuple = ()
+    shards: int = 1
+
+
+def as_spec(value) -> TensorSpec:
+    """A TensorSpec from a TensorSpec or a legacy ``(shape, axes)`` pair."""
+    if isinstance(value, TensorSpec):
+        return value
+    shape, axes, *rest = value
+    return TensorSpec(tuple(shape), axes, *rest)
+
+
+def tensor_spec(var) -> TensorSpec:
+    """TensorSpec of one (abstract) NNX Variable, from its ``axes``, ``quant_dtype`` (exact
+    checkpoint dtype), ``sources`` and ``shards`` metadata; a plain parameter gives the legacy
+    ``(shape, axes)`` meaning."""
+    meta = var.get_metadata() if hasattr(var, "get_metadata") else {}
+    return TensorSpec(tuple(var.shape), meta.get("axes"), meta.get("quant_dtype"),
+                      tuple(meta.get("sources") or ()), int(meta.get("shards", 1)))
+
+
+def expected_tensors(flat_state) -> dict[str, TensorSpec]:
+    """{state path: TensorSpec} of an (abstract) NNX flat state; a path is the checkpoint name."""
+    return {".".join(map(str, path)): tensor_spec(v) for path, v in flat_state}
+
+
+def _check_tensor(name, info, shape, dtype, problems, what="") -> None:
+    if dtype is None:
+        if tuple(info.shape) != tuple(shape):
+            problems.append(f"tensor {name} has shape {list(info.shape)}, expected {list(shape)}{what}")
+        if info.dtype not in FLOAT_CODES:
+            problems.append(f"tensor {name} has dtype {info.dtype}, expected a float type (F32/BF16/F16)")
+        return
+    scalar_as_1 = tuple(shape) == () and tuple(info.shape) == (1,)
+    if tuple(info.shape) != tuple(shape) and not scalar_as_1:
+        problems.append(f"tensor {name} has shape {list(info.shape)}, expected {list(shape)}{what}")
+    code = DTYPE_CODES.get(dtype, dtype)
+    if info.dtype != code:
+        problems.append(f"tensor {name} has dtype {info.dtype}, expected {code} (the checkpoint's quantization "
+                        f"config declares it quantized){what}")
+
+
+def validate(model_dir: Path, expected: dict, ignore: Sequence[str] = ()) -> dict:
+    """Returns the tensor index if it matches ``expected`` ({name: (shape, axes) | TensorSpec})
+    exactly.
 
     Tensors whose names start with a prefix in ``ignore`` (parts of the checkpoint the model
     does not serve, e.g. a vision tower) may be present and are skipped."""
@@ -37,17 +103,29 @@ def validate(model_dir: Path, expected: dict[str, tuple[tuple[int, ...], Any]], 
         found = index_checkpoint(model_dir)
     except FileNotFoundError as e:
         raise CheckpointError(str(e)) from None
-    problems = []
-    for name, (shape, _) in expected.items():
-        info = found.get(name)
-        if info is None:
-            problems.append(f"missing tensor {name} (expected shape {list(shape)})")
+    problems, used = [], set()
+    for name, value in expected.items():
+        spec = as_spec(value)
+        if not spec.sources:
+            used.add(name)
+            info = found.get(name)
+            if info is None:
+                problems.append(f"missing tensor {name} (expected shape {list(spec.shape)})")
+                continue
+            _check_tensor(name, info, spec.shape, spec.dtype, problems)
             continue
-        if tuple(info.shape) != tuple(shape):
-            problems.append(f"tensor {name} has shape {list(info.shape)}, expected {list(shape)}")
-        if info.dtype not in FLOAT_CODES:
-            problems.append(f"tensor {name} has dtype {info.dtype}, expected a float type (F32/BF16/F16)")
-    for name in sorted(set(found) - set(expected)):
+        rows = sum(r for _, r in spec.sources)
+        if spec.shape and rows and rows != spec.shape[0]:
+            problems.append(f"parameter {name}: its sources hold {rows} rows, expected {spec.shape[0]}")
+        for src, r in spec.sources:
+            used.add(src)
+            info = found.get(src)
+            want = spec.shape if r == 0 else (r, *spec.shape[1:])
+            if info is None:
+                problems.append(f"missing tensor {src} (expected shape {list(want)}, part of {name})")
+                continue
+            _check_tensor(src, info, want, spec.dtype, problems, f" (part of {name})")
+    for name in sorted(set(found) - used):
         if name.startswith(tuple(ignore)):
             continue
         problems.append(f"unexpected tensor {name} (shape {list(found[name].shape)})")
@@ -57,33 +135,82 @@ def validate(model_dir: Path, expected: dict[str, tuple[tuple[int, ...], Any]], 
     return found
 
 
-def load_params(model_dir: str | Path, expected: dict[str, tuple[tuple[int, ...], Sequence]],
-                dtype, mesh: Mesh, progress: bool = True, ignore: Sequence[str] = ()) -> dict[str, jax.Array]:
-    """Loads {name: (shape, logical axes)} from ``model_dir`` as sharded arrays of ``dtype``
-    (tensors under the ``ignore`` prefixes are allowed and not loaded)."""
+def _fused_reader(name: str, spec: TensorSpec, found: dict, cast):
+    """Callback reading any device slice of a parameter concatenated from ``spec.sources``."""
+    lazies = [(LazyTensor(found[src]), r) for src, r in spec.sources]
+    if all(r == 0 for _, r in lazies):                         # one per-tensor scalar shared by all
+        values = [np.asarray(lz[...]).reshape(()) for lz, _ in lazies]
+        if any(v.tobytes() != values[0].tobytes() for v in values[1:]):
+            raise CheckpointError(f"cannot fuse into {name}: {', '.join(s for s, _ in spec.sources)} hold "
+                                  f"different values {[float(v) for v in values]}")
+        return lambda idx: cast(values[0])[idx]
+    segments = []                                              # (lazy, first row, rows) in fused order
+    for s in range(spec.shards):
+        for lz, r in lazies:
+            part = r // spec.shards
+            segments.append((lz, s * part, part))
+
+    def read(idx):
+        start, stop, _ = (idx[0] if idx else slice(None)).indices(spec.shape[0])
+        pieces, pos = [], 0
+        for lz, first, n in segments:
+            lo, hi = max(start, pos), min(stop, pos + n)
+            if lo < hi:
+                pieces.append(lz[(slice(first + lo - pos, first + hi - pos),) + tuple(idx[1:])])
+            pos += n
+        return cast(np.concatenate(pieces, axis=0))
+    return read
+
+
+def load_params(model_dir: str | Path, expected: dict, dtype, mesh: Mesh, progress: bool = True,
+                ignore: Sequence[str] = ()) -> dict[str, jax.Array]:
+    """Loads {name: (shape, logical axes) | TensorSpec} from ``model_dir`` as sharded arrays:
+    floating tensors as ``dtype``, exact-dtype (quantized) tensors as they are (tensors under
+    the ``ignore`` prefixes are allowed and not loaded)."""
     model_dir = Path(model_dir)
     found = validate(model_dir, expected, ignore)
     out = {}
-    for name, (shape, axes) in tqdm(expected.items(), desc="loading weights", unit="tensor",
-                                    disable=not progress, leave=False):
-        lazy = LazyTensor(found[name])
-        np_dtype = np.dtype(dtype)
-        out[name] = jax.make_array_from_callback(
-            tuple(shape), sharding(mesh, axes), lambda idx, lazy=lazy: lazy[idx].astype(np_dtype))
+    for name, value in tqdm(expected.items(), desc="loading weights", unit="tensor",
+                            disable=not progress, leave=False):
+        spec = as_spec(value)
+        np_dtype = np.dtype(dtype) if spec.dtype is None else None
+        shape = tuple(spec.shape)
+        cast = (lambda a, t=np_dtype: a.astype(t)) if np_dtype is not None else (lambda a: a)
+        if spec.sources:
+            read = _fused_reader(name, spec, found, cast)
+        else:
+            lazy = LazyTensor(found[name])
+            if shape == () and tuple(found[name].shape) == (1,):          # a scalar stored as [1]
+                read = lambda idx, lazy=lazy, cast=cast: cast(lazy[...].reshape(()))[idx]
+            else:
+                read = lambda idx, lazy=lazy, cast=cast: cast(lazy[idx])
+        out[name] = jax.make_array_from_callback(shape, sharding(mesh, spec.axes or ()), read)
     return out
 
 
-def random_params(expected: dict[str, tuple[tuple[int, ...], Sequence]], dtype, mesh: Mesh,
-                  seed: int = 0, std: float = 0.02) -> dict[str, jax.Array]:
+def random_params(expected: dict, dtype, mesh: Mesh, seed: int = 0, std: float = 0.02) -> dict[str, jax.Array]:
     """Normal(0, std) matrices and unit norm weights, drawn directly on the devices with their
-    final sharding; for benchmarks of full-size shapes without a checkpoint."""
+    final sharding; for benchmarks of full-size shapes without a checkpoint. Exact-dtype
+    (quantized) tensors get random codes and scales of their own dtype."""
 
-    def draw(key, shape):
+    def draw(key, shape, exact, is_scale):
+        if exact is not None:
+            t = jnp.dtype(exact)
+            if jnp.issubdtype(t, jnp.integer):       # E8M0 scales near 2^-6, else any byte
+                lo, hi = (118, 124) if is_scale else (0, 256)
+                return jax.random.randint(key, shape, lo, hi, jnp.int32).astype(t)
+            if t == jnp.float32:                      # dequantization scales
+                return jnp.full(shape, std / 64.0, t)
+            return (jnp.abs(jax.random.normal(key, shape, jnp.float32)) if is_scale
+                    else jax.random.normal(key, shape, jnp.float32)).astype(t)
         if len(shape) == 1:
             return jnp.ones(shape, dtype)
         return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
     key = jax.random.key(seed)
-    return {name: jax.jit(draw, static_argnums=1, out_shardings=sharding(mesh, axes))(
-                jax.random.fold_in(key, i), tuple(shape))
-            for i, (name, (shape, axes)) in enumerate(expected.items())}
+    out = {}
+    for i, (name, value) in enumerate(expected.items()):
+        spec = as_spec(value)
+        out[name] = jax.jit(draw, static_argnums=(1, 2, 3), out_shardings=sharding(mesh, spec.axes or ()))(
+            jax.random.fold_in(key, i), tuple(spec.shape), spec.dtype, "scale" in name.rsplit(".", 1)[-1])
+    return out

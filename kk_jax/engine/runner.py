@@ -28,11 +28,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kk_jax.cache.pools import CacheLayout, SlotSpec, allocate_pools, bytes_per_page, pool_sharding, zero_slots
-from kk_jax.checkpoint.loader import load_params, random_params
+from kk_jax.checkpoint.loader import load_params, random_params, tensor_spec
 from kk_jax.config import EngineConfig
 from kk_jax.engine.request import MAX_LOGPROBS
 from kk_jax.engine.sampler import SamplingArrays, sample
 from kk_jax.models.attention.paged import AttentionBatch
+from kk_jax.models.layers.linear import prepare_linears
 from kk_jax.parallel.mesh import check_divisible, sharding
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def checkpoint_tensors(flat) -> tuple[dict, dict[str, list[str]]]:
         name = ".".join(map(str, path))
         spec = var.get_metadata().get("hf_experts")
         if spec is None:
-            expected[name] = (var.shape, var.axes)
+            expected[name] = tensor_spec(var)      # (shape, axes) + exact dtype of quantized tensors
             continue
         proj, n = spec
         base = ".".join(map(str, path[:-1]))
@@ -155,7 +156,9 @@ class ModelRunner:
         self.max_pages_per_seq = math.ceil(cfg.max_model_len / cfg.page_size)
         self.buckets = Buckets.make(cfg.max_num_seqs, cfg.max_num_batched_tokens)
 
-        abstract = nnx.eval_shape(lambda: model_cls(model_cfg, dtype))
+        # quantized linears (block FP8 / MXFP8 / NVFP4) as the checkpoint declares them
+        abstract = nnx.eval_shape(lambda: prepare_linears(model_cls(model_cfg, dtype), model_dir,
+                                                          backend=self.backend, mesh=mesh))
         self.graphdef, state = nnx.split(abstract)
         flat = nnx.to_flat_state(state)
         expected, stacks = checkpoint_tensors(flat)

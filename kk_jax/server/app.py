@@ -15,7 +15,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kk_jax.chat.encoders import ChatEncoder, RoleError
+from kk_jax.chat.openai_tools import (ToolChoice, ToolRequestError, resolve_tool_choice, validate_history,
+                                      validate_tools)
 from kk_jax.chat.template import ChatTemplateError
+from kk_jax.chat.tool_parsers import Call, Content, ToolCall
 from kk_jax.engine.async_engine import AsyncEngine, EngineDeadError, StepFailed
 from kk_jax.engine.request import RequestError, RequestOutput, SamplingParams
 from kk_jax.server import protocol as P
@@ -36,6 +40,39 @@ class ServerConfig:
 
 def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+@dataclasses.dataclass
+class ToolPlan:
+    """How one chat request uses tools: the (normalized) definitions shown to the model, the
+    resolved ``tool_choice``, ``parallel_tool_calls`` and the tool-call opening prefilled into the
+    assistant turn when a call is forced (fed to the output parser ahead of the model's text)."""
+
+    encoder: ChatEncoder
+    tools: list[dict]
+    choice: ToolChoice
+    parallel: bool
+    prefill: str = ""
+
+    def parser(self):
+        return self.encoder.tool_parser(self.tools)
+
+
+class CallSelector:
+    """Which parsed calls are returned: only the named function under a named ``tool_choice``;
+    only the first call when ``parallel_tool_calls`` is false. Assigns OpenAI call ids."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan, self.count = plan, 0
+
+    def take(self, call: ToolCall) -> dict | None:
+        if self.plan.choice.mode == "function" and call.name != self.plan.choice.name:
+            return None
+        if not self.plan.parallel and self.count >= 1:
+            return None
+        self.count += 1
+        return {"id": P.new_id("call").replace("-", "_"), "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
@@ -265,25 +302,93 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
         return await streaming_response(items, envelope, req.stream_options, head, choices,
                                         [len(ids[m]) for m in meta])
 
-    def chat_prompt(req: P.ChatCompletionRequest) -> list[int]:
-        if req.tools:
-            raise APIError(400, "tool calling is not supported by this server yet; remove `tools`", "tools")
+    def chat_prompt(req: P.ChatCompletionRequest) -> tuple[list[int], ToolPlan | None]:
+        """Prompt ids of a chat request and its tool plan (None when no tools are in play)."""
+        enc = tok.chat_encoder
+        if enc is None:
+            raise APIError(400, "this checkpoint has no chat_template in tokenizer_config.json; use completions "
+                                "with a plain prompt instead", "messages")
         if req.response_format is not None and req.response_format.type != "text":
             raise APIError(400, f"response_format type {req.response_format.type!r} is not supported; use 'text'",
                            "response_format")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
+        messages = [m.to_dict() for m in req.messages]
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                           **(req.chat_template_kwargs or {}))
-        except (ChatTemplateError, ValueError) as e:
+            enc.check_roles(messages)
+            tools = validate_tools(req.tools)
+            choice = resolve_tool_choice(req.tool_choice, tools)
+            messages = validate_history(messages)
+        except RoleError as e:
+            raise APIError(400, str(e), f"messages.{e.index}.role") from None
+        except ToolRequestError as e:
+            raise APIError(400, str(e), e.param) from None
+        use_tools = tools if choice.mode != "none" else []
+        if use_tools and enc.tool_format is None:
+            raise APIError(400, "this model's chat template has no tool-call format; remove `tools` (or set "
+                                "tool_choice to 'none')", "tools")
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+        prefill = ""
+        try:
+            text = enc.encode(messages, tools=use_tools or None, add_generation_prompt=req.add_generation_prompt,
+                              **kwargs)
+            if choice.forces_call and req.add_generation_prompt:
+                suffix, prefill = enc.forced_call_prefix(text, choice.name)
+                text += suffix
+        except RoleError as e:
+            raise APIError(400, str(e), f"messages.{e.index}.role") from None
+        except (ChatTemplateError, ValueError, TypeError) as e:
             raise APIError(400, str(e), "messages") from None
-        return prompt_ids(text)
+        plan = ToolPlan(enc, use_tools, choice, req.parallel_tool_calls is not False, prefill) if use_tools else None
+        return prompt_ids(text), plan
+
+    def tool_message(plan: ToolPlan, text: str) -> tuple[dict, bool]:
+        """The assistant message of a finished output with its tool calls parsed out."""
+        parser, pick = plan.parser(), CallSelector(plan)
+        events = parser.feed(plan.prefill) + parser.feed(text) + parser.finish()
+        content = "".join(e.text for e in events if isinstance(e, Content))
+        calls = [c for c in (pick.take(e.call) for e in events if isinstance(e, Call)) if c is not None]
+        msg = {"role": "assistant", "content": content if content or not calls else None}
+        if calls:
+            msg["tool_calls"] = calls
+        return msg, bool(calls)
+
+    def tool_stream(plan: ToolPlan, n: int, top: int):
+        """Per-output SSE choice updates with tool calls parsed out of the text as it streams:
+        content deltas, one ``tool_calls`` delta per call (id, name and full arguments) as soon
+        as the call is complete, and ``finish_reason: "tool_calls"`` when any call was made."""
+        parsers = [plan.parser() for _ in range(n)]
+        pickers = [CallSelector(plan) for _ in range(n)]
+        pending = [parsers[i].feed(plan.prefill) for i in range(n)]
+
+        def choices(i: int, out: RequestOutput) -> list[dict]:
+            events, pending[i] = pending[i] + parsers[i].feed(out.new_text), []
+            if out.finished:
+                events += parsers[i].finish()
+            lp = chat_logprobs(out, True, top) if out.logprobs and out.new_token_ids else None
+            out_choices = []
+            for ev in events:
+                if isinstance(ev, Content):
+                    delta = {"content": ev.text}
+                else:
+                    call = pickers[i].take(ev.call)
+                    if call is None:
+                        continue
+                    delta = {"tool_calls": [{"index": pickers[i].count - 1, **call}]}
+                out_choices.append({"index": i, "delta": delta, "logprobs": lp, "finish_reason": None})
+                lp = None
+            if lp is not None and not out.finished:
+                out_choices.append({"index": i, "delta": {"content": ""}, "logprobs": lp, "finish_reason": None})
+            if out.finished:
+                reason = "tool_calls" if pickers[i].count else out.finish_reason
+                out_choices.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason})
+            return out_choices
+        return choices
 
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)], response_model=P.ChatCompletionResponse)
     async def chat(req: P.ChatCompletionRequest, raw: Request):
         model = check_model(req.model)
-        ids = chat_prompt(req)
+        ids, plan = chat_prompt(req)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
         mt = max_tokens_for(req.max_completion_tokens or req.max_tokens, len(ids))
@@ -295,13 +400,15 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
 
         if not req.stream:
             outs = await collect(raw, items)
-            choices = [{"index": i, "message": {"role": "assistant", "content": o.text},
-                        "logprobs": chat_logprobs(o, False, top), "finish_reason": o.finish_reason}
-                       for i, o in enumerate(outs)]
+            choices = []
+            for i, o in enumerate(outs):
+                msg, called = tool_message(plan, o.text) if plan else ({"role": "assistant", "content": o.text}, False)
+                choices.append({"index": i, "message": msg, "logprobs": chat_logprobs(o, False, top),
+                                "finish_reason": "tool_calls" if called else o.finish_reason})
             return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                     "choices": choices, "usage": usage(outs, [len(ids)] * len(outs))}
 
-        def choices(i: int, out: RequestOutput) -> list[dict]:
+        def text_choices(i: int, out: RequestOutput) -> list[dict]:
             out_choices = []
             if out.new_text or (out.logprobs and out.new_token_ids and not out.finished):
                 out_choices.append({"index": i, "delta": {"content": out.new_text},
@@ -310,6 +417,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
                 out_choices.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason})
             return out_choices
 
+        choices = text_choices if plan is None else tool_stream(plan, len(items), top)
         head = [[{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
                 for i in range(len(items))]
         envelope = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
@@ -324,9 +432,11 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
             ids = tok.encode(req.prompt)
         else:
             try:
-                ids = tok.encode(tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
+                ids = tok.encode(tok.apply_chat_template([m.to_dict() for m in req.messages],
                                                          add_generation_prompt=req.add_generation_prompt))
-            except (ChatTemplateError, ValueError) as e:
+            except RoleError as e:
+                raise APIError(400, str(e), f"messages.{e.index}.role") from None
+            except (ChatTemplateError, ValueError, TypeError) as e:
                 raise APIError(400, str(e), "messages") from None
         return {"count": len(ids), "max_model_len": cfg.max_model_len, "tokens": ids}
 

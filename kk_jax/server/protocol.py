@@ -56,10 +56,33 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCallIn(BaseModel):
+    """A function call of an assistant message in the history. ``arguments`` is a JSON
+    object text (OpenAI) or the object itself; ``namespace`` qualifies the name (``ns::name``)."""
+
+    name: str
+    arguments: Union[str, dict] = "{}"
+    namespace: Optional[Union[str, dict]] = None
+
+
+class ToolCallIn(BaseModel):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+    namespace: Optional[Union[str, dict]] = None
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    """A chat message. ``latest_reminder`` is accepted only by models whose encoder has that role
+    (DeepSeek V4.1); ``tool`` messages answer the call with id ``tool_call_id``."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "latest_reminder"]
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallIn]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
     def text(self) -> str:
         if self.content is None:
@@ -67,6 +90,10 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def to_dict(self) -> dict:
+        """The message as the chat encoders take it (absent fields left out)."""
+        return self.model_dump(exclude_none=True)
 
 
 class ResponseFormat(BaseModel):
@@ -82,6 +109,8 @@ class ChatCompletionRequest(SamplingFields):
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list[dict]] = None
     tool_choice: Optional[Union[str, dict]] = None
+    parallel_tool_calls: Optional[bool] = None
+    reasoning_effort: Optional[Union[str, int]] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict] = None
 
@@ -129,9 +158,21 @@ class ChatLogprobs(BaseModel):
     content: Optional[list[TokenLogprobOut]] = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallOut]] = None
 
 
 class ChatChoice(BaseModel):

@@ -1,24 +1,448 @@
-"""Mosaic GPU KDA kernels (work in progress)."""
+"""Mosaic GPU KDA kernels for Hopper (H200): decode, speculative verify, chunked prefill.
+
+Public entry points (wrapped by `pallas_kernels.kda`): `kda_decode_pallas`,
+`kda_verify_pallas`, `chunk_kda_pallas`. All are Mosaic GPU (`plgpu.kernel`, TMA, `wgmma`);
+no Triton lowering is used. `interpret=True` runs them in Mosaic GPU interpret mode on CPU.
+
+Decode / verify (`_step_call`): grid (V tiles, HV, N), one warpgroup per CTA. The CTA TMA-
+loads its fp32 state tile S [K, Vt] from `state_pool[slots[n], h]` into SMEM, runs the Ts
+tokens with S in registers (WGMMA register layout; row broadcasts of g/k/q, column
+broadcasts of v', reductions over K), and TMA-stores S back into the same slot (decode: the
+pool is a `jax.new_ref` aliased to the output, so the update is in place when the caller
+donates the pool) or after every token into `states` (verify). State traffic is exactly one
+read and one write of the state per call (decode) -- the roofline for this op.
+
+Chunked prefill (`chunk_kda_pallas`), fla's stage split with stages 3 and 4 fused:
+  1-2. `_intra` (jnp, runs under XLA, parallel over all chunks and heads): chunk-local
+       cumsum Gamma, A_qk / A_kk with the 16-token sub-chunk reference trick
+       (exp(Gamma_i - r) * exp(r - Gamma_j), r = Gamma at the first token of row i's
+       sub-chunk), the unit-lower-triangular solve for w = T (exp(Gamma) k), u = T v.
+  3-4. `_scan_call` (Mosaic GPU): grid (V tiles, HV, N sequences); each CTA walks its
+       sequence's chunks in order with the fp32 state S [K, Vt] held as a wgmma
+       accumulator and, per chunk, runs 4 wgmmas:
+         W S, Qg S (both [C,K] @ [K,Vt], S copied to SMEM as bf16),
+         O = Qg S + A_qk v_new ([C,C] @ [C,Vt]),   v_new = u - W S,
+         S = exp(Gamma_last) * S + Kg^T v_new      ([K,C] @ [C,Vt], transposed SMEM operand).
+       The next chunk's operands are TMA-prefetched into a second buffer while the current
+       one computes. Final states and checkpoints are TMA-stored from the registers.
+Matmul operands are bf16 with fp32 accumulation (as fla); the state, u, decays and all
+elementwise math stay fp32.
+
+Numerical precondition of the prefill kernel: the sub-chunk trick multiplies by
+exp(r - Gamma_j) <= exp(-15 * min g) inside a 16-token sub-chunk, which stays finite for
+fla's safe gate (g >= -5, GLM-5.3) and is clamped at exp(85) otherwise; gates more negative
+than about -5.6 per token can lose accuracy there (use backend="xla" for such gates).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ._common import KDACheckpoints, prepare_qk
+from .reference import CHUNK, _chunk_table
 
 SUPPORTED_DIMS = (64, 128)
+_L = plgpu.Layout
+_SUB = 16          # sub-chunk length of the intra-chunk reference trick
+_EXP_CLAMP = 85.0  # exp(85) ~ 8e36 < float32/bf16 max
 
 
 def check_kernel_dims(kd, vd):
+  """The kernels need K == V in {64, 128} (wgmma M/N tiling of the state)."""
   if kd not in SUPPORTED_DIMS or vd != kd:
     raise ValueError(f"the Pallas KDA kernels need K == V in {SUPPORTED_DIMS}, got K={kd}, "
                      f"V={vd}; use backend='xla' for other head sizes")
 
 
-def chunk_kda_pallas(q, k, v, g, beta, **kw):
+def _interpret_kwargs(interpret):
+  if not interpret:
+    return {}
+  return {"interpret": (interpret if isinstance(interpret, plgpu.InterpretGPUParams)
+                        else plgpu.InterpretGPUParams())}
+
+
+def _swizzled(dtype, cols):
+  """SMEM transforms for a wgmma operand whose rows hold `cols` elements of `dtype`."""
+  bits = jnp.dtype(dtype).itemsize * 8
+  sw = plgpu.find_swizzle(cols * bits, "lhs")
+  return (plgpu.TilingTransform((8, sw * 8 // bits)), plgpu.SwizzleTransform(sw))
+
+
+def _v_tile(vd):
+  return 64 if vd >= 64 else vd
+
+
+# ------------------------------------------------------------------ decode / verify
+
+
+def _step_call(q, k, v, g, beta, pool, slots, reset, *, write_states, interpret):
+  """Ts tokens per row from pool slots.
+
+  q, k, g [N,Ts,HV,K] f32 (q pre-scaled / normalised); v [N,Ts,HV,V] f32; beta [N,Ts,HV]
+  f32; pool [S,HV,K,V] f32; slots, reset [N] int32.
+  write_states=False (decode, Ts == 1): returns (o [N,Ts,HV,V] f32, new pool) with the pool
+  updated in place. write_states=True (verify): returns (o, states [N,Ts,HV,K,V]) and
+  leaves the pool untouched.
+  """
+  n, ts, hv, kd = q.shape
+  vd = v.shape[-1]
+  vt = _v_tile(vd)
+  f32 = jnp.float32
+
+  def body(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, pool_ref, *outs,
+           s_smem, q_smem, k_smem, g_smem, v_smem, bar):
+    o_ref = outs[0]
+    st_ref = outs[1] if write_states else None
+    j = lax.axis_index("vt")
+    h = lax.axis_index("h")
+    r = lax.axis_index("n")
+    slot = slot_ref[r]
+    cols = pl.ds(j * vt, vt)
+    plgpu.copy_gmem_to_smem(pool_ref.at[slot, h, :, cols], s_smem, bar.at[0])
+    plgpu.copy_gmem_to_smem(q_ref.at[r, :, h, :], q_smem, bar.at[0])
+    plgpu.copy_gmem_to_smem(k_ref.at[r, :, h, :], k_smem, bar.at[0])
+    plgpu.copy_gmem_to_smem(g_ref.at[r, :, h, :], g_smem, bar.at[0])
+    plgpu.copy_gmem_to_smem(v_ref.at[r, :, h, cols], v_smem, bar.at[0])
+    plgpu.barrier_wait(bar.at[0])
+    s = plgpu.load(s_smem, layout=_L.WGMMA)                          # [K, Vt] f32
+    fresh = jnp.broadcast_to(reset_ref[r] != 0, (kd, vt))
+    s = jnp.where(fresh, jnp.zeros_like(s), s)
+    for t in range(ts):
+      gv = plgpu.load(g_smem.at[t], layout=_L.WGMMA.reduce(1))       # [K]
+      kv = plgpu.load(k_smem.at[t], layout=_L.WGMMA.reduce(1))
+      qv = plgpu.load(q_smem.at[t], layout=_L.WGMMA.reduce(1))
+      vv = plgpu.load(v_smem.at[t], layout=_L.WGMMA.reduce(0))       # [Vt]
+      kb = lax.broadcast_in_dim(kv, (kd, vt), [0])
+      s = s * lax.broadcast_in_dim(jnp.exp(gv), (kd, vt), [0])
+      ks = jnp.sum(s * kb, axis=0)                                  # k^T S  [Vt]
+      vn = jnp.broadcast_to(b_ref[r, t, h], (vt,)) * (vv - ks)
+      s = s + kb * lax.broadcast_in_dim(vn, (kd, vt), [1])
+      o = jnp.sum(s * lax.broadcast_in_dim(qv, (kd, vt), [0]), axis=0)
+      v_smem[t] = o                                                 # reuse v's row for o
+      if write_states:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)             # s_smem free again
+        s_smem[...] = s
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(s_smem, st_ref.at[r, t, h, :, cols])
+    if not write_states:
+      s_smem[...] = s
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(v_smem, o_ref.at[r, :, h, cols])
+    if not write_states:
+      plgpu.copy_smem_to_gmem(s_smem, pool_ref.at[slot, h, :, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+  out_type = [jax.ShapeDtypeStruct((n, ts, hv, vd), f32)]
+  if write_states:
+    out_type.append(jax.ShapeDtypeStruct((n, ts, hv, kd, vd), f32))
+  scratch = dict(
+      s_smem=plgpu.SMEM((kd, vt), f32),
+      q_smem=plgpu.SMEM((ts, kd), f32),
+      k_smem=plgpu.SMEM((ts, kd), f32),
+      g_smem=plgpu.SMEM((ts, kd), f32),
+      v_smem=plgpu.SMEM((ts, vt), f32),
+      bar=plgpu.Barrier(num_arrivals=5, num_barriers=1),
+  )
+  call = plgpu.kernel(
+      body, out_type=tuple(out_type), scratch_types=scratch,
+      grid=(vd // vt, hv, n), grid_names=("vt", "h", "n"),
+      compiler_params=plgpu.CompilerParams(approx_math=False),
+      **_interpret_kwargs(interpret))
+  if write_states:
+    o, states = call(q, k, v, g, beta, slots, reset, pool)
+    return o, states
+  pool_ref = jax.new_ref(pool)
+  (o,) = call(q, k, v, g, beta, slots, reset, pool_ref)
+  return o, pool_ref[...]
+
+
+def _prep_step(q, k, v, g, beta, slots, reset, *, scale, use_qk_l2norm):
+  hv = v.shape[-2]
+  qf, kf = prepare_qk(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm, hv=hv)
+  n = slots.shape[0]
+  rs = (jnp.zeros((n,), jnp.int32) if reset is None else reset.astype(jnp.int32))
+  return (qf, kf, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32),
+          slots.astype(jnp.int32), rs)
+
+
+def kda_decode_pallas(q, k, v, g, beta, state_pool, slots, *, scale=None,
+                      use_qk_l2norm=False, reset=None, interpret=False):
+  """Decode step (one token per row); arguments as `kda_decode` (validated there)."""
   check_kernel_dims(q.shape[-1], v.shape[-1])
-  raise NotImplementedError("Pallas chunk_kda is not written yet; use backend='xla'")
+  qf, kf, vf, gf, bf, sl, rs = _prep_step(q, k, v, g, beta, slots, reset, scale=scale,
+                                          use_qk_l2norm=use_qk_l2norm)
+  o, pool = _step_call(qf[:, None], kf[:, None], vf[:, None], gf[:, None], bf[:, None],
+                       state_pool, sl, rs, write_states=False, interpret=interpret)
+  return o[:, 0].astype(v.dtype), pool
 
 
-def kda_decode_pallas(q, k, v, g, beta, state_pool, slots, **kw):
+def kda_verify_pallas(q, k, v, g, beta, state_pool, slots, *, scale=None,
+                      use_qk_l2norm=False, reset=None, interpret=False):
+  """Speculative verify; arguments as `kda_verify` (validated there)."""
   check_kernel_dims(q.shape[-1], v.shape[-1])
-  raise NotImplementedError("Pallas kda_decode is not written yet; use backend='xla'")
+  qf, kf, vf, gf, bf, sl, rs = _prep_step(q, k, v, g, beta, slots, reset, scale=scale,
+                                          use_qk_l2norm=use_qk_l2norm)
+  o, states = _step_call(qf, kf, vf, gf, bf, state_pool, sl, rs, write_states=True,
+                         interpret=interpret)
+  return o.astype(v.dtype), states
 
 
-def kda_verify_pallas(q, k, v, g, beta, state_pool, slots, **kw):
+# ------------------------------------------------------------------- chunked prefill
+
+
+def _intra(q, k, v, g, beta):
+  """Stages 1-2 (XLA, parallel over chunks): per-chunk operands of the scan kernel.
+
+  q, k, g [NC,C,HV,K] fp32 (q pre-scaled); v [NC,C,HV,V] fp32; beta [NC,C,HV] fp32; padded
+  tokens are zeros. Returns head-major operands:
+    w, qg, kg [NC,HV,C,K] bf16   T(exp(G) k), q exp(G), k exp(G_last - G)
+    u         [NC,HV,C,V] f32    T v
+    a         [NC,HV,C,C] bf16   A_qk, lower triangle incl. the diagonal
+    gl        [NC,HV,K]   f32    exp(G_last), the state's decay over the chunk
+  with G the chunk-local cumsum of g and T = (I + A_kk)^-1 Diag(beta).
+  """
+  nc, c, hv, kd = q.shape
+  ns = c // _SUB
+  tr = lambda x: jnp.swapaxes(x, 1, 2)                            # noqa: E731  [NC,HV,C,.]
+  q, k, v, g = tr(q), tr(k), tr(v), tr(g)
+  beta = jnp.swapaxes(beta, 1, 2)                                 # [NC,HV,C]
+  gam = jnp.cumsum(g, axis=2)
+  ref = gam[:, :, ::_SUB]                                         # [NC,HV,ns,K]
+  rowexp = jnp.exp(gam - jnp.repeat(ref, _SUB, axis=2))           # <= 1
+  keyexp = jnp.exp(jnp.minimum(ref[:, :, :, None] - gam[:, :, None], _EXP_CLAMP))
+  kh = k[:, :, None] * keyexp                                     # [NC,HV,ns,C,K]
+
+  def blocks(x):                                                  # [NC,HV,C,K] rows x keys
+    xs = (x * rowexp).reshape(nc, hv, ns, _SUB, kd)
+    return jnp.einsum("nhaik,nhajk->nhaij", xs, kh,
+                      preferred_element_type=jnp.float32).reshape(nc, hv, c, c)
+
+  ii = jnp.arange(c)
+  a_qk = jnp.where(ii[:, None] >= ii[None, :], blocks(q), 0.0)
+  a_kk = jnp.where(ii[:, None] > ii[None, :], blocks(k), 0.0) * beta[..., None]
+  eg = jnp.exp(gam)
+  rhs = beta[..., None] * jnp.concatenate([v, eg * k], axis=-1)
+  x = jax.scipy.linalg.solve_triangular(jnp.eye(c, dtype=jnp.float32) + a_kk, rhs,
+                                        lower=True, unit_diagonal=True)
+  u, w = x[..., :v.shape[-1]], x[..., v.shape[-1]:]
+  glast = gam[:, :, -1]                                           # [NC,HV,K]
+  kg = k * jnp.exp(glast[:, :, None] - gam)
+  bf = jnp.bfloat16
+  return (w.astype(bf), (q * eg).astype(bf), kg.astype(bf), u, a_qk.astype(bf),
+          jnp.exp(glast))
+
+
+def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, every,
+               num_ckpt, interpret):
+  """Stages 3-4 (Mosaic GPU): sequential chunk scan + output, one CTA per (V tile, head,
+  sequence).
+
+  w, qg, kg [NC,HV,C,K] bf16; u [NC,HV,C,V] f32; a [NC,HV,C,C] bf16; gl [NC,HV,K] f32;
+  cs, ncs, lens [N] int32 (first chunk, chunk count, token count of each sequence);
+  init [N,HV,K,V] f32 or None; ck_off [N] int32 (first checkpoint row) when every is set.
+  Returns o [NC,C,HV,V] (out_dtype; rows of unused chunk slots are unwritten), final
+  [N,HV,K,V] f32 and, when every is set, checkpoints [num_ckpt,HV,K,V] f32.
+  """
+  nct, hv, c, kd = w.shape
+  vd = u.shape[-1]
+  n = cs.shape[0]
+  vt = _v_tile(vd)
+  f32, bf = jnp.float32, jnp.bfloat16
+  has_init = init is not None
+
+  def body(*refs, w_smem, qg_smem, kg_smem, a_smem, u_smem, gl_smem, s_smem, vn_smem,
+           o_smem, sf_smem, bar, ibar):
+    refs = list(refs)
+    w_ref, qg_ref, kg_ref, u_ref, a_ref, gl_ref, cs_ref, nc_ref, len_ref = refs[:9]
+    refs = refs[9:]
+    init_ref = refs.pop(0) if has_init else None
+    off_ref = refs.pop(0) if every else None
+    o_ref, fin_ref = refs[0], refs[1]
+    ck_ref = refs[2] if every else None
+    j = lax.axis_index("vt")
+    h = lax.axis_index("h")
+    sq = lax.axis_index("n")
+    cols = pl.ds(j * vt, vt)
+    c0 = cs_ref[sq]
+    nch = nc_ref[sq]
+
+    def issue(i, slot):
+      ch = c0 + i
+      b = bar.at[slot]
+      plgpu.copy_gmem_to_smem(w_ref.at[ch, h], w_smem.at[slot], b)
+      plgpu.copy_gmem_to_smem(qg_ref.at[ch, h], qg_smem.at[slot], b)
+      plgpu.copy_gmem_to_smem(kg_ref.at[ch, h], kg_smem.at[slot], b)
+      plgpu.copy_gmem_to_smem(a_ref.at[ch, h], a_smem.at[slot], b)
+      plgpu.copy_gmem_to_smem(u_ref.at[ch, h, :, cols], u_smem.at[slot], b)
+      plgpu.copy_gmem_to_smem(gl_ref.at[ch, h], gl_smem.at[slot], b)
+
+    @pl.when(nch > 0)
+    def _():
+      issue(0, 0)
+
+    if has_init:
+      plgpu.copy_gmem_to_smem(init_ref.at[sq, h, :, cols], sf_smem, ibar.at[0])
+      plgpu.barrier_wait(ibar.at[0])
+      s0 = plgpu.load(sf_smem, layout=_L.WGMMA)
+    else:
+      s0 = plgpu.layout_cast(jnp.zeros((kd, vt), f32), _L.WGMMA)
+
+    def mm(a_op, b_op, shape=(c, vt)):
+      """a_op @ b_op on the tensor cores into a fresh fp32 accumulator.
+
+      (Accumulating into an existing value with pl.run_state(ACC.init(x)) would save one
+      register add, but Mosaic GPU interpret mode cannot run it, and the tests must run
+      the same code as the GPU.)"""
+      def run(acc_ref):
+        plgpu.wgmma(acc_ref, a_op, b_op)
+        plgpu.wgmma_wait(0)
+        return acc_ref[...]
+      return pl.run_scoped(run, plgpu.ACC(shape, f32))
+
+    def step(i, s):
+      slot = lax.rem(i, 2)
+
+      @pl.when(i + 1 < nch)
+      def _():
+        issue(i + 1, 1 - slot)
+
+      plgpu.barrier_wait(bar.at[slot])
+      s_smem[...] = s.astype(bf)
+      plgpu.commit_smem()
+      ws = mm(w_smem.at[slot], s_smem)                              # W S      [C,Vt]
+      og = mm(qg_smem.at[slot], s_smem)                             # Qg S     [C,Vt]
+      vn = plgpu.load(u_smem.at[slot], layout=_L.WGMMA) - ws        # v_new    [C,Vt]
+      vn_smem[...] = vn.astype(bf)
+      plgpu.commit_smem()
+      o = og + mm(a_smem.at[slot], vn_smem)                         # + A v_new
+      glv = plgpu.load(gl_smem.at[slot], layout=_L.WGMMA.reduce(1))
+      s = s * lax.broadcast_in_dim(glv, (kd, vt), [0])
+      s = s + mm(kg_smem.at[slot].transpose((1, 0)), vn_smem,      # + Kg^T v_new
+                 shape=(kd, vt))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      o_smem[...] = o.astype(out_dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, o_ref.at[c0 + i, :, h, cols])
+      if every:
+        done = (i + 1) * c
+
+        @pl.when((lax.rem(done, every) == 0) & (done <= len_ref[sq]))
+        def _():
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          sf_smem[...] = s
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(
+              sf_smem, ck_ref.at[off_ref[sq] + lax.div(done, every) - 1, h, :, cols])
+      return s
+
+    s = lax.fori_loop(0, nch, step, s0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    sf_smem[...] = s
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(sf_smem, fin_ref.at[sq, h, :, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+  sw_k, sw_c, sw_v = _swizzled(bf, kd), _swizzled(bf, c), _swizzled(bf, vt)
+  scratch = dict(
+      w_smem=plgpu.SMEM((2, c, kd), bf, transforms=sw_k),
+      qg_smem=plgpu.SMEM((2, c, kd), bf, transforms=sw_k),
+      kg_smem=plgpu.SMEM((2, c, kd), bf, transforms=sw_k),
+      a_smem=plgpu.SMEM((2, c, c), bf, transforms=sw_c),
+      u_smem=plgpu.SMEM((2, c, vt), f32),
+      gl_smem=plgpu.SMEM((2, kd), f32),
+      s_smem=plgpu.SMEM((kd, vt), bf, transforms=sw_v),
+      vn_smem=plgpu.SMEM((c, vt), bf, transforms=sw_v),
+      o_smem=plgpu.SMEM((c, vt), out_dtype),
+      sf_smem=plgpu.SMEM((kd, vt), f32),
+      bar=plgpu.Barrier(num_arrivals=6, num_barriers=2),
+      ibar=plgpu.Barrier(num_arrivals=1, num_barriers=1),
+  )
+  out_type = [jax.ShapeDtypeStruct((nct, c, hv, vd), out_dtype),
+              jax.ShapeDtypeStruct((n, hv, kd, vd), f32)]
+  if every:
+    out_type.append(jax.ShapeDtypeStruct((max(num_ckpt, 1), hv, kd, vd), f32))
+  args = [w, qg, kg, u, a, gl, cs, ncs, lens]
+  if has_init:
+    args.append(init)
+  if every:
+    args.append(ck_off)
+  call = plgpu.kernel(
+      body, out_type=tuple(out_type), scratch_types=scratch,
+      grid=(vd // vt, hv, n), grid_names=("vt", "h", "n"),
+      compiler_params=plgpu.CompilerParams(approx_math=False),
+      **_interpret_kwargs(interpret))
+  return call(*args)
+
+
+def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
+                     output_final_state=False, use_qk_l2norm=False, checkpoint_every=None,
+                     interpret=False):
+  """Chunked prefill; arguments and returns as `chunk_kda` (validated there)."""
   check_kernel_dims(q.shape[-1], v.shape[-1])
-  raise NotImplementedError("Pallas kda_verify is not written yet; use backend='xla'")
+  b, t, _, kd = q.shape
+  hv, vd = v.shape[2], v.shape[3]
+  c = CHUNK
+  qf, kf = prepare_qk(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm, hv=hv)
+  vf, gf, bf = v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32)
+  every = checkpoint_every
+  if cu_seqlens is None:
+    n = b
+    ncl = -(-t // c)
+    pad = ncl * c - t
+
+    def to_chunks(x):
+      x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
+      return x.reshape((b * ncl, c) + x.shape[2:])
+
+    cs = jnp.arange(n, dtype=jnp.int32) * ncl
+    ncs = jnp.full((n,), ncl, jnp.int32)
+    lens = jnp.full((n,), t, jnp.int32)
+    out_idx = None
+  else:
+    n = cu_seqlens.shape[0] - 1
+    cu = cu_seqlens.astype(jnp.int32)
+    nct = t // c + n
+    seq, _, start, valid = _chunk_table(cu, nct, c)
+    tok = start[:, None] + jnp.arange(c)[None, :]
+    ok = jnp.arange(c)[None, :] < valid[:, None]
+    tok_c = jnp.clip(tok, 0, max(t - 1, 0))
+
+    def to_chunks(x):
+      y = x[0][tok_c]
+      return jnp.where(ok.reshape(ok.shape + (1,) * (y.ndim - 2)), y, 0.0)
+
+    lens = cu[1:] - cu[:-1]
+    ncs = ((lens + c - 1) // c).astype(jnp.int32)
+    cs = (jnp.cumsum(ncs) - ncs).astype(jnp.int32)
+    out_idx = jnp.where(ok, tok, t).reshape(-1)
+  w, qg, kg, u, a, gl = _intra(*map(to_chunks, (qf, kf, vf, gf, bf)))
+  init = None if initial_state is None else initial_state.astype(jnp.float32)
+  num_ckpt = 0
+  ck_off = None
+  if every:
+    per = lens // every
+    ck_off = (jnp.cumsum(per) - per).astype(jnp.int32)
+    num_ckpt = t // every if cu_seqlens is not None else b * (t // every)
+  outs = _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens.astype(jnp.int32), init, ck_off,
+                    out_dtype=v.dtype, every=every, num_ckpt=num_ckpt, interpret=interpret)
+  oc, final = outs[0], outs[1]
+  if out_idx is None:
+    o = oc.reshape(b, -1, hv, vd)[:, :t]
+  else:
+    o = jnp.zeros((t, hv, vd), v.dtype).at[out_idx].set(
+        oc.reshape(-1, hv, vd), mode="drop")[None]
+  final = final if output_final_state else None
+  if every:
+    offsets = jnp.concatenate([ck_off, (ck_off[-1:] + (lens[-1:] // every))]).astype(jnp.int32)
+    rows = jnp.arange(num_ckpt)[:, None, None, None]
+    states = jnp.where(rows < offsets[-1], outs[2][:num_ckpt], 0.0)   # unused rows: zeros
+    return o, final, KDACheckpoints(states, offsets)
+  return o, final

@@ -1,12 +1,78 @@
-"""Linear layer over a weight stored in the Hugging Face layout ``[out_features, in_features]``.
+"""Linear layers over weights stored in the Hugging Face layout ``[out_features, in_features]``,
+in floating point or kept quantized (block FP8, ModelOpt MXFP8 / NVFP4).
 
 Keeping the checkpoint layout lets the loader place tensors without transposing on the
-host; XLA contracts the transposed operand for free.
+host; XLA contracts the transposed operand for free. Models build every projection as a
+plain ``Linear``; :func:`quantize_linears` then turns the ones a checkpoint quantizes into
+quantized layers *before anything is loaded* (the model code never changes with the format):
+
+    ============  =====================================================================
+    method        tensors next to ``weight`` (names, dtypes and shapes of the checkpoint)
+    ============  =====================================================================
+    (none)        weight [N, K] model dtype
+    fp8_block     weight e4m3 [N, K], weight_scale_inv f32 [ceil(N/128), ceil(K/128)]
+    mxfp8         weight e4m3 [N, K], weight_scale uint8 [N, K/32]
+    nvfp4         weight uint8 [N, K/2], weight_scale e4m3 [N, K/16], weight_scale_2 f32 [],
+                  input_scale f32 [] when the checkpoint has it (unused: activations stay bf16)
+    ============  =====================================================================
+
+The call is the same for every method: ``y = linear(x)``, x ``[..., K]`` -> ``[..., N]`` in
+x's dtype with fp32 accumulation. Quantized weights stay quantized in device memory and are
+dequantized inside ``pallas_kernels.{fp8_block,mxfp8,nvfp4}.matmul`` (``backend="pallas"``,
+inside ``jax.shard_map`` over ``tp``) or by their jnp twins (``backend="xla"``, partitioned by
+XLA). Block FP8 runs W8A16 unless ``act_quant`` asks for the release's W8A8 numerics.
+
+:class:`FusedLinear` computes several projections of the same input as one matmul along N
+(e.g. every draft layer's K and V projection of the context features). Its weight is the
+members' checkpoint tensors concatenated along N at load time (per tensor-parallel shard, so
+each device holds whole rows of its own heads of every member); mixing formats, in
+particular MXFP8 and non-MXFP8 members, is rejected by :func:`quantize_linears` before any
+weight is read.
 """
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from kk_jax.parallel.mesh import TP, spec
+from kk_jax.quant.config import OPTIONAL_TENSORS, QuantConfig
+
+E4M3 = jnp.float8_e4m3fn
+
+
+class QuantLayoutError(ValueError):
+    """A layer cannot hold the requested quantized format (shapes, tensor parallelism, fusion)."""
+
+
+def quant_tensor_specs(method: str, n: int, k: int, block=(128, 128), optional: Iterable[str] = ()) -> dict:
+    """{tensor suffix: (shape, dtype, sharded-like-weight)} of one quantized linear [n, k]."""
+    if method == "fp8_block":
+        return {"weight": ((n, k), E4M3, True),
+                "weight_scale_inv": ((math.ceil(n / block[0]), math.ceil(k / block[1])), jnp.float32, True)}
+    if method == "mxfp8":
+        if k % 32:
+            raise QuantLayoutError(f"MXFP8 needs in_features to be a multiple of 32, got {k}")
+        return {"weight": ((n, k), E4M3, True), "weight_scale": ((n, k // 32), jnp.uint8, True)}
+    if method == "nvfp4":
+        if k % 16:
+            raise QuantLayoutError(f"NVFP4 needs in_features to be a multiple of 16, got {k}")
+        specs = {"weight": ((n, k // 2), jnp.uint8, True), "weight_scale": ((n, k // 16), E4M3, True),
+                 "weight_scale_2": ((), jnp.float32, False)}
+        if "input_scale" in optional:
+            specs["input_scale"] = ((), jnp.float32, False)
+        return specs
+    raise QuantLayoutError(f"unknown quantization method {method!r}")
+
+
+def _param(shape, dtype, axes, **meta):
+    """A parameter whose checkpoint tensor must have exactly ``dtype`` (``quant_dtype`` metadata)."""
+    return nnx.Param(jnp.zeros(shape, dtype), axes=axes, quant_dtype=jnp.dtype(dtype).name, **meta)
 
 
 class Linear(nnx.Module):
@@ -17,11 +83,262 @@ class Linear(nnx.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, dtype, axes: tuple, bias: bool = False):
+        self.in_features, self.out_features, self.axes = in_features, out_features, tuple(axes)
+        self.quant: str | None = None      # static: None | "fp8_block" | "mxfp8" | "nvfp4"
+        self.block = (128, 128)
+        self.backend = "xla"
+        self.mesh = None
+        self.act_quant = False
+        self.interpret = False
         self.weight = nnx.Param(jnp.zeros((out_features, in_features), dtype), axes=axes)
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype), axes=axes[:1]) if bias else None
 
+    # ------------------------------------------------------------------ quantization
+    def quantize_(self, method: str, *, block=(128, 128), optional: Iterable[str] = (), backend: str = "xla",
+                  mesh=None, act_quant: bool = False, interpret: bool = False, name: str = "") -> None:
+        """Re-declares the parameters for ``method`` (zeros of the checkpoint's dtypes/shapes)."""
+        n, k = self.out_features, self.in_features
+        try:
+            specs = quant_tensor_specs(method, n, k, block, optional)
+            _check_tp_layout(method, n, k, self.axes, mesh, block)
+        except QuantLayoutError as e:
+            raise QuantLayoutError(f"{name or 'linear'}: {e}") from None
+        for suffix, (shape, dtype, sharded) in specs.items():
+            setattr(self, suffix, _param(shape, dtype, self.axes if sharded else ()))
+        self.quant, self.block, self.backend, self.mesh = method, tuple(block), backend, mesh
+        self.act_quant, self.interpret = act_quant, interpret
+
+    def _quant_operands(self) -> tuple:
+        if self.quant == "fp8_block":
+            return (self.weight[...], self.weight_scale_inv[...])
+        if self.quant == "mxfp8":
+            return (self.weight[...], self.weight_scale[...])
+        return (self.weight[...], self.weight_scale[...], self.weight_scale_2[...])
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...i,oi->...o", x, self.weight[...], preferred_element_type=jnp.float32)
+        if self.quant is None:
+            y = jnp.einsum("...i,oi->...o", x, self.weight[...], preferred_element_type=jnp.float32)
+        else:
+            y = quantized_matmul(x, self._quant_operands(), method=self.quant, axes=self.axes, block=self.block,
+                                 backend=self.backend, mesh=self.mesh, act_quant=self.act_quant,
+                                 interpret=self.interpret)
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         return y.astype(x.dtype)
+
+    def dense_weight(self, dtype=None) -> jax.Array:
+        """The ``[out, in]`` weight in floating point (dequantized if quantized), for code that needs
+        the matrix itself (e.g. MLA weight absorption)."""
+        if self.quant is None:
+            w = self.weight[...]
+            return w if dtype is None else w.astype(dtype)
+        return dequantize(self.quant, self._quant_operands(), self.block, dtype or jnp.bfloat16)
+
+
+class FusedLinear(nnx.Module):
+    """Several projections of one input as a single matmul along N.
+
+    ``members`` are the checkpoint module names (e.g. ``model.layers.0.self_attn.k_proj``) and
+    their ``out_features``. The fused parameters carry ``sources`` metadata that tells the loader
+    which checkpoint tensors to concatenate; on a tensor-parallel mesh the concatenation is
+    done per shard (``[m0_shard0, m1_shard0, m0_shard1, ...]``) so that :meth:`split` of the
+    output is local to each device.
+    """
+
+    def __init__(self, in_features: int, members: Sequence[tuple[str, int]], dtype, axes: tuple):
+        if not members:
+            raise QuantLayoutError("FusedLinear needs at least one member")
+        self.in_features, self.axes = in_features, tuple(axes)
+        self.members = tuple((str(name), int(n)) for name, n in members)
+        self.out_features = sum(n for _, n in self.members)
+        self.quant: str | None = None
+        self.block = (128, 128)
+        self.backend, self.mesh, self.act_quant, self.interpret = "xla", None, False, False
+        self.shards = 1
+        self.weight = nnx.Param(jnp.zeros((self.out_features, in_features), dtype), axes=axes,
+                                sources=self._sources("weight", 1))
+
+    def _sources(self, suffix: str, rows_per_row: float) -> tuple:
+        """((checkpoint tensor, rows), ...) in member order, plus the shard count."""
+        return tuple((f"{name}.{suffix}", int(n * rows_per_row)) for name, n in self.members)
+
+    def quantize_(self, method: str | None, *, block=(128, 128), optional: Iterable[str] = (), backend="xla",
+                  mesh=None, act_quant=False, interpret=False, name: str = "") -> None:
+        """Declares the fused parameters for ``method`` (None: floating point) and the tp layout."""
+        n, k = self.out_features, self.in_features
+        shards = _tp_shards(self.axes, mesh, 0)
+        for member, nm in self.members:
+            if nm % shards:
+                raise QuantLayoutError(f"{name}: member {member} has {nm} rows, not divisible by tp={shards}")
+            if method == "fp8_block" and (nm // shards) % block[0]:
+                raise QuantLayoutError(f"{name}: block-FP8 member {member} has {nm} rows; fusing needs each "
+                                       f"member's rows per shard ({nm // shards}) to be a multiple of {block[0]}")
+        self.shards = shards
+        dtype = self.weight.dtype
+        if method is None:
+            self.weight = nnx.Param(jnp.zeros((n, k), dtype), axes=self.axes,
+                                    sources=self._sources("weight", 1), shards=shards)
+            return
+        specs = quant_tensor_specs(method, n, k, block, optional)
+        _check_tp_layout(method, n, k, self.axes, mesh, block)
+        for suffix, (shape, dt, sharded) in specs.items():
+            if sharded:
+                per_row = shape[0] / n
+                setattr(self, suffix, _param(shape, dt, self.axes, sources=self._sources(suffix, per_row),
+                                             shards=shards))
+            else:   # per-tensor scalars: members must agree (checked by the loader)
+                setattr(self, suffix, _param(shape, dt, (), sources=self._sources(suffix, 0), shards=1))
+        self.quant, self.block, self.backend, self.mesh = method, tuple(block), backend, mesh
+        self.act_quant, self.interpret = act_quant, interpret
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [..., K] -> [..., sum(N_i)] in the fused (per-shard interleaved) order; see split."""
+        return Linear.__call__(self, x)
+
+    _quant_operands = Linear._quant_operands
+    bias = None
+
+    def split(self, y: jax.Array) -> list[jax.Array]:
+        """Fused output [..., sum(N_i)] -> one [..., N_i] per member."""
+        lead = y.shape[:-1]
+        per_shard = [n // self.shards for _, n in self.members]
+        y = y.reshape(*lead, self.shards, sum(per_shard))
+        out, start = [], 0
+        for n in per_shard:
+            out.append(y[..., start:start + n].reshape(*lead, n * self.shards))
+            start += n
+        return out
+
+
+# ---------------------------------------------------------------------- model-wide pass
+def quantize_linears(model: nnx.Module, qcfg: QuantConfig | None, *, tensor_names: Iterable[str] | None = None,
+                     backend: str = "xla", mesh=None, act_quant: bool = False, interpret: bool = False) -> list[str]:
+    """Turns every Linear / FusedLinear of ``model`` that ``qcfg`` quantizes into a quantized one.
+
+    Call it on a freshly built (or abstract) model, before loading. ``tensor_names`` (the
+    checkpoint's tensor names) decides block-FP8 membership and NVFP4's optional
+    ``input_scale``. Raises QuantLayoutError, naming the layers, for a FusedLinear whose members
+    do not share one format. Returns the names of the quantized layers.
+    """
+    names = set(tensor_names) if tensor_names is not None else None
+    done, problems = [], []
+    for path, module in nnx.iter_modules(model):
+        name = ".".join(map(str, path))
+        if isinstance(module, FusedLinear):
+            methods = {m: (qcfg.method_for(m, names) if qcfg else None) for m, _ in module.members}
+            kinds = set(methods.values())
+            if len(kinds) > 1:
+                desc = ", ".join(f"{m} ({v or 'unquantized'})" for m, v in methods.items())
+                mx = "MXFP8 and non-MXFP8 members" if "mxfp8" in kinds else "members of different formats"
+                problems.append(f"{name or 'fused'}: cannot fuse {mx} along N: {desc}")
+                continue
+            method = kinds.pop()
+            opt = _optional(method, [m for m, _ in module.members], names)
+            module.quantize_(method, block=qcfg.block if qcfg else (128, 128), optional=opt, backend=backend,
+                             mesh=mesh, act_quant=act_quant, interpret=interpret, name=name)
+            if method:
+                done.append(name)
+        elif isinstance(module, Linear) and qcfg is not None:
+            method = qcfg.method_for(name, names)
+            if method:
+                module.quantize_(method, block=qcfg.block, optional=_optional(method, [name], names),
+                                 backend=backend, mesh=mesh, act_quant=act_quant, interpret=interpret, name=name)
+                done.append(name)
+    if problems:
+        raise QuantLayoutError(f"{len(problems)} fused projection(s) mix quantization formats "
+                               "(nothing was loaded):\n  " + "\n  ".join(problems))
+    return done
+
+
+def prepare_linears(model: nnx.Module, model_dir=None, *, backend: str = "xla", mesh=None,
+                    act_quant: bool = False, interpret: bool = False) -> nnx.Module:
+    """Applies the quantization of checkpoint ``model_dir`` (none if None or unquantized) to
+    ``model``'s linears with :func:`quantize_linears` and returns ``model``. FusedLinears get
+    their tensor-parallel layout even when nothing is quantized."""
+    from kk_jax.checkpoint.safetensors_io import index_checkpoint
+    from kk_jax.quant.config import detect
+
+    qcfg = detect(model_dir) if model_dir is not None else None
+    names = None
+    if qcfg is not None and qcfg.by_tensors:
+        try:
+            names = set(index_checkpoint(model_dir))
+        except FileNotFoundError:
+            names = None            # the loader reports the missing files
+    quantize_linears(model, qcfg, tensor_names=names, backend=backend, mesh=mesh, act_quant=act_quant,
+                     interpret=interpret)
+    return model
+
+
+def _optional(method, modules, names) -> tuple:
+    if not method or names is None:
+        return ()
+    return tuple(t for t in OPTIONAL_TENSORS[method] if all(f"{m}.{t}" in names for m in modules))
+
+
+def _tp_shards(axes, mesh, dim: int) -> int:
+    if mesh is None or TP not in mesh.shape:
+        return 1
+    return mesh.shape[TP] if tuple(spec(axes))[dim] == TP else 1
+
+
+def _check_tp_layout(method, n, k, axes, mesh, block) -> None:
+    """Each tensor-parallel shard must hold whole scale blocks."""
+    for dim, size in ((0, n), (1, k)):
+        shards = _tp_shards(axes, mesh, dim)
+        if shards == 1:
+            continue
+        local = size // shards
+        unit = {"fp8_block": block[dim], "mxfp8": (1, 32)[dim], "nvfp4": (1, 16)[dim]}[method]
+        if size % shards or local % unit:
+            raise QuantLayoutError(f"tp={shards} splits dimension {dim} of size {size} into shards of {local}, "
+                                   f"not a multiple of the {method} scale block ({unit})")
+
+
+# ---------------------------------------------------------------------- the matmul
+def _kernel_call(method, x2, ops, *, block, backend, act_quant, interpret, out_dtype):
+    if method == "fp8_block":
+        from pallas_kernels import fp8_block
+        return fp8_block.matmul(x2, *ops, block=block, act_quant=act_quant, backend=backend, out_dtype=out_dtype,
+                                interpret=interpret)
+    if method == "mxfp8":
+        from pallas_kernels import mxfp8
+        return mxfp8.matmul(x2, *ops, backend=backend, out_dtype=out_dtype, interpret=interpret)
+    from pallas_kernels import nvfp4
+    return nvfp4.matmul(x2, *ops, backend=backend, out_dtype=out_dtype, interpret=interpret)
+
+
+def quantized_matmul(x, ops: tuple, *, method: str, axes, block=(128, 128), backend="xla", mesh=None,
+                     act_quant=False, interpret=False):
+    """x [..., K] @ dequant(ops)^T -> [..., N] fp32. With backend="pallas" on a tp mesh the kernel
+    runs per shard inside ``jax.shard_map``: column-parallel weights give N-sharded outputs,
+    row-parallel ones fp32 partial sums reduced with ``psum``."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    call = lambda xx, *oo: _kernel_call(method, xx, oo, block=block, backend=backend, act_quant=act_quant,
+                                        interpret=interpret, out_dtype=jnp.float32)
+    if backend != "pallas" or mesh is None or mesh.size == 1:
+        y = call(x2, *ops)
+        return y.reshape(*lead, y.shape[-1])
+    w_spec = spec(axes)
+    op_specs = tuple(w_spec if o.ndim == 2 else P() for o in ops)
+    col, row = tuple(w_spec)[0] == TP, tuple(w_spec)[1] == TP
+    if row:
+        body = lambda xx, *oo: jax.lax.psum(call(xx, *oo), TP)
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(P(None, TP),) + op_specs, out_specs=P(), check_vma=False)
+    else:
+        fn = jax.shard_map(call, mesh=mesh, in_specs=(P(),) + op_specs,
+                           out_specs=P(None, TP) if col else P(), check_vma=False)
+    y = fn(x2, *ops)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def dequantize(method: str, ops: tuple, block=(128, 128), dtype=jnp.bfloat16) -> jax.Array:
+    """[N, K] floating-point weight of a quantized linear (jnp, exact up to ``dtype`` rounding)."""
+    from kk_jax.quant import fp8_block, mxfp8, nvfp4
+
+    if method == "fp8_block":
+        return fp8_block.dequantize(*ops, block=block, dtype=dtype)
+    if method == "mxfp8":
+        return mxfp8.dequantize(*ops, dtype=dtype)
+    return nvfp4.dequantize(*ops, dtype=dtype)
