@@ -62,7 +62,7 @@ def bench(cfg, backend, batches, context, steps, iters, page_size, tp, trace_dir
     rows_out = []
     for b in batches:
         rows = [DecodeRow(token=1, position=context, pages=list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)),
-                          budget=steps, stop_ids=[], params=greedy, seed=0, token_index=0) for i in range(b)]
+                          slot=0, budget=steps, stop_ids=[], params=greedy, seed=0, token_index=0) for i in range(b)]
         t0 = time.perf_counter()
         runner.decode(rows)                                    # compile + first run
         compile_s = time.perf_counter() - t0

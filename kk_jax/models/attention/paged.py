@@ -105,7 +105,10 @@ class PagedAttention:
                 ps = k_pages.shape[1]
                 kc = k_pages[page_table].reshape(b, maxp * ps, *k_pages.shape[2:]).astype(q.dtype)
                 vc = v_pages[page_table].reshape(b, maxp * ps, *v_pages.shape[2:]).astype(q.dtype)
-                attend = prefill_attention_tokamax if backend == "pallas" else prefill_attention_reference
+                # Mosaic GPU attention has bf16/f16 modes only: fp32 serving (a debugging setup)
+                # keeps the jnp prefill so that its numerics stay fp32
+                fast = backend == "pallas" and q.dtype != jnp.float32
+                attend = prefill_attention_tokamax if fast else prefill_attention_reference
                 o = attend(q, kc, vc, positions, kv_lens, scale)
             return o, k_pages, v_pages
 
