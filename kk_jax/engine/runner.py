@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 MAX_STOP_IDS = 16
 
 
+class StepError(ValueError):
+    """A step's metadata does not fit the cache (checked on the host before any device work)."""
+
+
 def pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -321,8 +325,36 @@ class ModelRunner:
         slots[: len(rows)] = [r.slot for r in rows]
         return slots
 
+    def validate(self, rows: list[PrefillRow] | list[DecodeRow]) -> None:
+        """Checks everything a step will address before the pools are donated (DESIGN rule 6):
+        pages cover every position written, page and slot ids are in range and owned by one
+        row each, and state slots are given when the model keeps per-sequence state. A
+        rejected step raises StepError and leaves every pool exactly as it was."""
+        problems, seen_pages, seen_slots = [], set(), set()
+        if not rows or len(rows) > max(self.buckets.decode[-1], max(b for b, _ in self.buckets.prefill)):
+            problems.append(f"a step needs 1..max_num_seqs rows, got {len(rows)}")
+        for i, r in enumerate(rows):
+            last = (r.start + len(r.tokens) if isinstance(r, PrefillRow) else r.position + r.budget) - 1
+            if isinstance(r, PrefillRow) and not r.tokens:
+                problems.append(f"row {i}: empty chunk")
+            need = last // self.cfg.page_size + 1
+            if len(r.pages) < need or need > self.max_pages_per_seq:
+                problems.append(f"row {i}: positions up to {last} need {need} pages, it has {len(r.pages)} "
+                                f"(at most {self.max_pages_per_seq})")
+            bad = [p for p in r.pages if not 0 < p < self.num_pages or p in seen_pages]
+            if bad:
+                problems.append(f"row {i}: page ids {bad[:4]} are out of range, the dummy page, or shared")
+            seen_pages.update(r.pages)
+            if self.has_slots:
+                if not 0 < r.slot <= self.cfg.max_num_seqs or r.slot in seen_slots:
+                    problems.append(f"row {i}: state slot {r.slot} is missing, out of range or shared")
+                seen_slots.add(r.slot)
+        if problems:
+            raise StepError("step rejected before touching the cache: " + "; ".join(problems))
+
     def prefill(self, rows: list[PrefillRow]) -> list[Sampled]:
         """Runs one chunk per row; returns each row's token sampled at its chunk end."""
+        self.validate(rows)
         h0 = time.perf_counter()
         t = self.buckets.prefill_tokens(max(len(r.tokens) for r in rows))
         b = self.buckets.prefill_batch(len(rows), t)
@@ -356,6 +388,7 @@ class ModelRunner:
 
     def decode(self, rows: list[DecodeRow]) -> list[Sampled]:
         """Runs up to ``decode_steps`` tokens per row in one device call."""
+        self.validate(rows)
         h0 = time.perf_counter()
         b = self.buckets.decode_batch(len(rows))
         tokens = np.zeros((b,), np.int32)

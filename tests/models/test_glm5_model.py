@@ -93,3 +93,23 @@ def test_greedy_tokens_identical_across_tp(ckpt, llm):
     for tp in (2, 4):
         other = LLM(ckpt, tp=tp, **{**LIMITS, "max_num_seqs": 2, "max_num_batched_tokens": 16})
         assert [o.token_ids for o in other.generate(prompts, params)] == want, tp
+
+
+def test_inconsistent_step_is_rejected_and_pools_stay_bit_identical(llm):
+    from kk_jax.engine.runner import DecodeRow, PrefillRow, StepError
+
+    r = llm.engine.runner
+    before = {n: np.asarray(a).copy() for n, a in r.pools.items()}
+    greedy = SamplingParams(max_tokens=4, **GREEDY)
+    bad_steps = [
+        [PrefillRow(list(range(1, 40)), 0, [1], 1, greedy, 0, 0)],             # pages missing for 39 tokens
+        [PrefillRow([1, 2], 0, [1], 0, greedy, 0, 0)],                          # no state slot for a KDA model
+        [PrefillRow([1, 2], 0, [1], 1, greedy, 0, 0), PrefillRow([3], 0, [1], 2, greedy, 0, 0)],   # shared page
+        [DecodeRow(5, 15, [2], 1, 4, [], greedy, 0, 0)],                        # decode runs past its page
+        [DecodeRow(5, 3, [0], 1, 1, [], greedy, 0, 0)],                         # the dummy page as a real page
+    ]
+    for rows in bad_steps:
+        with pytest.raises(StepError, match="rejected before touching the cache"):
+            (r.prefill if isinstance(rows[0], PrefillRow) else r.decode)(rows)
+    for n, a in r.pools.items():
+        np.testing.assert_array_equal(np.asarray(a), before[n])
