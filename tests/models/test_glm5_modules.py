@@ -1,0 +1,172 @@
+"""GLM-5.3 building blocks against NumPy implementations of their equations (models.md §1)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kk_jax.models.layers.mhc import mhc_post, mhc_pre
+from kk_jax.models.layers.moe import grouped_experts, route
+
+
+def np_mhc(x, fn, base, scale, hc, iters, eps, rms_eps):
+    b, t, _, d = x.shape
+    flat = x.reshape(b, t, hc * d).astype(np.float64)
+    flat = flat / np.sqrt(np.mean(flat ** 2, -1, keepdims=True) + rms_eps)
+    m = flat @ fn.T.astype(np.float64)
+    sig = lambda z: 1 / (1 + np.exp(-z))
+    pre = sig(m[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * sig(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    c = m[..., 2 * hc:].reshape(b, t, hc, hc) * scale[2] + base[2 * hc:].reshape(hc, hc)
+    c = np.exp(c - c.max(-1, keepdims=True))
+    c = c / c.sum(-1, keepdims=True) + eps
+    c = c / (c.sum(-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdims=True) + eps)
+        c = c / (c.sum(-2, keepdims=True) + eps)
+    u = np.einsum("bti,btid->btd", pre, x)
+    return post, c, u
+
+
+def test_mhc_matches_numpy_and_comb_is_doubly_stochastic():
+    rng = np.random.default_rng(0)
+    hc, d = 4, 8
+    x = rng.standard_normal((2, 3, hc, d)).astype(np.float32)
+    fn = (rng.standard_normal(((2 + hc) * hc, hc * d)) / np.sqrt(hc * d)).astype(np.float32)
+    base = rng.standard_normal(((2 + hc) * hc,)).astype(np.float32)
+    scale = np.array([0.7, 1.3, 0.9], np.float32)
+    post, comb, u = mhc_pre(jnp.asarray(x), jnp.asarray(fn), jnp.asarray(base), jnp.asarray(scale), hc=hc,
+                            iters=20, eps=1e-6, rms_eps=1e-5)
+    wp, wc, wu = np_mhc(x, fn, base, scale, hc, 20, 1e-6, 1e-5)
+    np.testing.assert_allclose(np.asarray(post), wp, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(comb), wc, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(u), wu, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(comb).sum(-1), 1, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(comb).sum(-2), 1, atol=1e-3)
+    y = rng.standard_normal((2, 3, d)).astype(np.float32)
+    out = mhc_post(jnp.asarray(x), jnp.asarray(y), post, comb)
+    want = wp[..., None] * y[:, :, None] + np.einsum("btij,btid->btjd", wc, x)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+
+
+def test_routing_selects_with_bias_and_weights_without():
+    rng = np.random.default_rng(1)
+    n, d, e, k = 16, 8, 8, 2
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    w = rng.standard_normal((e, d)).astype(np.float32)
+    bias = rng.standard_normal(e).astype(np.float32)
+    idx, wt = route(jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias), k, 2.5, True)
+    s = 1 / (1 + np.exp(-(x.astype(np.float64) @ w.T)))
+    for row in range(n):
+        choice = np.argsort(-(s[row] + bias))[:k]
+        assert set(np.asarray(idx[row])) == set(choice)          # selection uses the bias
+        sel = s[row, np.asarray(idx[row])]
+        np.testing.assert_allclose(np.asarray(wt[row]), 2.5 * sel / sel.sum(), rtol=1e-5)   # weights do not
+
+
+def test_grouped_experts_match_dense_numpy():
+    rng = np.random.default_rng(2)
+    n, d, i, e, k, limit = 10, 8, 6, 4, 2, 1.5
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    gate, up = (rng.standard_normal((e, d, i)).astype(np.float32) for _ in range(2))
+    down = rng.standard_normal((e, i, d)).astype(np.float32)
+    idx = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
+    wt = rng.random((n, k)).astype(np.float32)
+    got = grouped_experts(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(wt), jnp.asarray(gate), jnp.asarray(up),
+                          jnp.asarray(down), limit)
+    silu = lambda z: z / (1 + np.exp(-z))
+    want = np.zeros((n, d))
+    for r in range(n):
+        for j in range(k):
+            ex = idx[r, j]
+            h = silu(np.minimum(x[r] @ gate[ex], limit)) * np.clip(x[r] @ up[ex], -limit, limit)
+            want[r] += wt[r, j] * (h @ down[ex])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def indexer():
+    from flax import nnx
+
+    from kk_jax.config import Glm5NextConfig
+    from kk_jax.models.attention.pooled_indexer import PooledIndexer
+
+    cfg = Glm5NextConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, layer_types=("deepseek_sparse_attention",),
+                         mlp_layer_types=("dense",), intermediate_size=16, moe_intermediate_size=8, n_routed_experts=2,
+                         num_experts_per_tok=1, n_shared_experts=1, routed_scaling_factor=1.0, norm_topk_prob=True,
+                         swiglu_limit=10.0, num_attention_heads=2, q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=8,
+                         v_head_dim=8, index_n_heads=3, index_head_dim=8, index_topk=8, index_kpool=4,
+                         index_kpool_always_select_tail=True, linear_num_heads=2, linear_head_dim=8,
+                         linear_conv_kernel_dim=4, linear_lower_bound=-5.0, hc_mult=4, hc_eps=1e-6,
+                         hc_sinkhorn_iters=20, rms_norm_eps=1e-5, max_position_embeddings=1024)
+    ix = PooledIndexer(cfg, jnp.float32)
+    rng = np.random.default_rng(3)
+    for name in ("wq_b", "wk", "weights_proj"):
+        lin = getattr(ix, name)
+        lin.weight[...] = jnp.asarray(rng.standard_normal(lin.weight.shape), jnp.float32)
+    ix.index_kpool_compress_ape[...] = jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
+    ix.index_kpool_compress_gate[...] = jnp.asarray(rng.standard_normal((8, 16)), jnp.float32)
+    return ix
+
+
+def _run_indexer(ix, x, qr, t, page_size=16, pages=4):
+    index_pool = jnp.zeros((pages + 1, page_size // 4, 8), jnp.float32)
+    tail_pool = jnp.zeros((2, 2, 4, 8), jnp.float32)
+    table = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    index_pool, _ = ix.update_pools(x, index_pool, tail_pool, jnp.array([1]), pos, jnp.ones((1, t), bool), table)
+    return np.asarray(ix.select(x, qr, index_pool, pos, table))[0], index_pool, table
+
+
+def np_indexer(ix, x, qr, t):
+    """Selected-token mask [T, S] from the equations: LayerNorm'd keys, softmax pooling over 4
+    slots + ape, ReLU scores weighted per head, top index_topk/4 complete pools + the tail."""
+    x, qr = x[0].astype(np.float64), qr[0].astype(np.float64)
+    k = x @ np.asarray(ix.wk.weight[...]).T
+    k = (k - k.mean(-1, keepdims=True)) / np.sqrt(k.var(-1, keepdims=True) + 1e-6)
+    g = x @ np.asarray(ix.index_kpool_compress_gate[...]).T + 0.0
+    ape = np.asarray(ix.index_kpool_compress_ape[...])
+    n_pools = t // 4
+    pooled = []
+    for p in range(n_pools):
+        logits = g[4 * p:4 * p + 4] + ape
+        prob = np.exp(logits - logits.max(0)) / np.exp(logits - logits.max(0)).sum(0)
+        pooled.append((prob * k[4 * p:4 * p + 4]).sum(0))
+    q = (qr @ np.asarray(ix.wq_b.weight[...]).T).reshape(t, 3, 8)
+    w = (x @ np.asarray(ix.weights_proj.weight[...]).T) / np.sqrt(3)
+    s_len = 64
+    mask = np.zeros((t, s_len), bool)
+    for pos in range(t):
+        visible = [p for p in range(n_pools) if 4 * p + 3 <= pos]
+        scores = {p: float(np.sum(w[pos] * np.maximum(q[pos] @ pooled[p] / np.sqrt(8), 0))) for p in visible}
+        chosen = sorted(visible, key=lambda p: -scores[p])[:2]
+        for p in chosen:
+            mask[pos, 4 * p:4 * p + 4] = True
+        tail_start = (pos + 1) - (pos + 1) % 4
+        mask[pos, tail_start:pos + 1] = True
+    return mask, scores
+
+
+def test_indexer_selection_matches_numpy(indexer):
+    rng = np.random.default_rng(4)
+    t = 30
+    x = jnp.asarray(rng.standard_normal((1, t, 16)), jnp.float32)
+    qr = jnp.asarray(rng.standard_normal((1, t, 12)), jnp.float32)
+    got, _, _ = _run_indexer(indexer, x, qr, t)
+    want, _ = np_indexer(indexer, np.asarray(x), np.asarray(qr), t)
+    np.testing.assert_array_equal(got, want)
+    assert (got.sum(-1) < np.arange(1, t + 1)).any()            # selection is really sparse somewhere
+
+
+def test_indexer_is_dense_when_topk_covers_the_context(indexer):
+    rng = np.random.default_rng(5)
+    t = 30
+    x = jnp.asarray(rng.standard_normal((1, t, 16)), jnp.float32)
+    qr = jnp.asarray(rng.standard_normal((1, t, 12)), jnp.float32)
+    indexer.select_pools = 64                                    # index_topk >= context
+    try:
+        got, _, _ = _run_indexer(indexer, x, qr, t)
+    finally:
+        indexer.select_pools = 2
+    np.testing.assert_array_equal(got[:, :t], np.tril(np.ones((t, t), bool)))
+    assert not got[:, t:].any()
