@@ -369,11 +369,19 @@ def normalize_api_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def resolve_thinking(thinking: bool | None = None, enable_thinking: bool | None = None,
+_UNSET: Any = object()
+
+
+def resolve_thinking(thinking: Any = _UNSET, enable_thinking: Any = _UNSET,
                      reasoning_effort: str | int | None = None) -> tuple[str, str | int]:
-    """Request switches -> (thinking_mode, effort). Thinking is on unless ``thinking`` /
-    ``enable_thinking`` turn it off or the effort is ``"none"``; the effort defaults to high."""
-    on = True if thinking is None and enable_thinking is None else bool(thinking or enable_thinking)
+    """Request switches -> (thinking_mode, effort). Thinking is on when neither ``thinking`` nor
+    ``enable_thinking`` is given; when either is given, it is on if either is truthy. The effort
+    ``"none"`` turns thinking off; the effort defaults to high."""
+    if thinking is _UNSET and enable_thinking is _UNSET:
+        on = True
+    else:
+        on = bool((thinking if thinking is not _UNSET else None) or
+                  (enable_thinking if enable_thinking is not _UNSET else None))
     if reasoning_effort == "none":
         on, reasoning_effort = False, None
     effort = DEFAULT_REASONING_EFFORT if reasoning_effort is None else reasoning_effort
@@ -381,8 +389,8 @@ def resolve_thinking(thinking: bool | None = None, enable_thinking: bool | None 
     return ("thinking" if on else "chat"), effort
 
 
-def apply_chat_template(messages: list[dict], tools: list[dict] | None = None, *, thinking: bool | None = None,
-                        enable_thinking: bool | None = None, reasoning_effort: str | int | None = None,
+def apply_chat_template(messages: list[dict], tools: list[dict] | None = None, *, thinking: Any = _UNSET,
+                        enable_thinking: Any = _UNSET, reasoning_effort: str | int | None = None,
                         drop_thinking: bool = True) -> str:
     """The API layer: request ``tools`` go on the first message if it is a system message,
     otherwise on an empty system message inserted in front."""

@@ -97,6 +97,9 @@ class LLMEngine:
             raise RequestError(f"this model's maximum context length is {limit} tokens, but {len(ids)} prompt "
                                f"tokens + max_tokens={params.max_tokens} = {len(ids) + params.max_tokens}; "
                                f"set max_tokens <= {limit - len(ids)}", "max_tokens")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})", "stop_token_ids")
         stop_ids = self._stop_ids(params)
         if len(stop_ids) > MAX_STOP_IDS:
             raise RequestError(f"at most {MAX_STOP_IDS - len(self.eos_token_ids)} stop_token_ids are supported",

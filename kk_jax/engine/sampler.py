@@ -36,7 +36,8 @@ class SamplingArrays:
         for i, (sp, seed) in enumerate(zip(params, seeds)):
             if sp is None:
                 continue
-            t[i], k[i], p[i], m[i], s[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p, seed % (1 << 32)
+            t[i], p[i], m[i], s[i] = sp.temperature, sp.top_p, sp.min_p, seed % (1 << 32)
+            k[i] = min(sp.top_k, np.iinfo(np.int32).max)        # top_k beyond the vocabulary = no top-k
         return SamplingArrays(t, k, p, m, s)
 
 

@@ -24,8 +24,10 @@ amax >= 1e-4, and on zero blocks the stored bytes are all zero either way). With
 
 from __future__ import annotations
 
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -48,17 +50,21 @@ def _pad_to_blocks(w, block):
 
 def quantize(w, block=DEFAULT_BLOCK, scale_fmt: str | None = None):
     """w [N, K] float -> (weight e4m3 [N, K], weight_scale_inv f32 [ceil(N/bn), ceil(K/bk)])."""
-    w = jnp.asarray(w, jnp.float32)
-    if w.ndim != 2:
-        raise ValueError(f"block FP8 quantizes 2-D [out, in] weights, got shape {w.shape}")
+    if jnp.ndim(w) != 2:
+        raise ValueError(f"block FP8 quantizes 2-D [out, in] weights, got shape {jnp.shape(w)}")
+    if scale_fmt not in (None, "float", "ue8m0"):
+        raise ValueError(f"scale_fmt must be None, 'float' or 'ue8m0', got {scale_fmt!r}")
+    return _quantize(jnp.asarray(w, jnp.float32), tuple(block), scale_fmt)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _quantize(w, block, scale_fmt):
     n, k = w.shape
     blocks = _pad_to_blocks(w, block)                                     # [Nb, bn, Kb, bk]
     amax = jnp.max(jnp.abs(blocks), axis=(1, 3))                          # [Nb, Kb]
     scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
     if scale_fmt == "ue8m0":
         scale = jnp.where(amax > 0, jnp.exp2(jnp.ceil(jnp.log2(scale))), 1.0)
-    elif scale_fmt not in (None, "float"):
-        raise ValueError(f"scale_fmt must be None, 'float' or 'ue8m0', got {scale_fmt!r}")
     q = jnp.clip(blocks / scale[:, None, :, None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
     q = q.reshape(blocks.shape[0] * block[0], blocks.shape[2] * block[1])[:n, :k]
     return q, scale.astype(jnp.float32)

@@ -21,6 +21,7 @@ checkpoint we write is byte-identical to ModelOpt's for the same weights.)
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -38,10 +39,15 @@ def e8m0_exponent(amax):
 
 def quantize(w):
     """w [..., K] float (K % 32 == 0) -> (weight e4m3 [..., K], weight_scale uint8 [..., K/32])."""
-    w = jnp.asarray(w, jnp.float32)
-    k = w.shape[-1]
+    k = jnp.shape(w)[-1]
     if k % BLOCK:
         raise ValueError(f"MXFP8 needs the input dimension to be a multiple of {BLOCK}, got {k}")
+    return _quantize(jnp.asarray(w, jnp.float32))
+
+
+@jax.jit
+def _quantize(w):
+    k = w.shape[-1]
     blocks = w.reshape(*w.shape[:-1], k // BLOCK, BLOCK)
     e = e8m0_exponent(jnp.max(jnp.abs(blocks), axis=-1))                  # [..., K/32]
     q = jnp.clip(blocks * jnp.exp2(-e)[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)

@@ -28,6 +28,7 @@ match ModelOpt's. A tensor of zeros gets ``weight_scale_2 = 1`` (ModelOpt would 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -62,6 +63,7 @@ def unpack(packed):
     return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
+@jax.jit
 def global_scale(w):
     """``weight_scale_2 = amax / (6 * 448)`` (1.0 for an all-zero tensor)."""
     amax = jnp.max(jnp.abs(jnp.asarray(w, jnp.float32)))
@@ -71,11 +73,17 @@ def global_scale(w):
 def quantize(w, weight_scale_2=None):
     """w [..., K] float (K % 16 == 0) -> (weight uint8 [..., K/2], weight_scale e4m3 [..., K/16],
     weight_scale_2 f32 [])."""
-    w = jnp.asarray(w, jnp.float32)
-    k = w.shape[-1]
+    k = jnp.shape(w)[-1]
     if k % BLOCK:
         raise ValueError(f"NVFP4 needs the input dimension to be a multiple of {BLOCK}, got {k}")
+    w = jnp.asarray(w, jnp.float32)
     s2 = global_scale(w) if weight_scale_2 is None else jnp.asarray(weight_scale_2, jnp.float32).reshape(())
+    return _quantize(w, s2)
+
+
+@jax.jit
+def _quantize(w, s2):
+    k = w.shape[-1]
     blocks = w.reshape(*w.shape[:-1], k // BLOCK, BLOCK)
     amax = jnp.max(jnp.abs(blocks), axis=-1)
     s = amax / (jnp.float32(E2M1_MAX) * s2)

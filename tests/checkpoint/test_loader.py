@@ -47,7 +47,8 @@ def test_unknown_architecture(ckpt_copy):
     cfg = json.loads((ckpt_copy / "config.json").read_text())
     cfg["architectures"] = ["MysteryForCausalLM"]
     (ckpt_copy / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="unknown architecture.*MysteryForCausalLM.*supported: Qwen3ForCausalLM"):
+    with pytest.raises(ConfigError, match="unknown architecture.*MysteryForCausalLM.*supported: "
+                                          "Glm5NextForConditionalGeneration, Qwen3ForCausalLM"):
         LLM(ckpt_copy, **SMALL)
 
 

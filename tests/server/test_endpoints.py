@@ -1,6 +1,8 @@
 """Disconnects free pages; health, metrics, profiling, tokenize/detokenize, OpenAPI schema."""
 
 import json
+import socket
+import time
 
 import httpx
 import pytest
@@ -8,22 +10,31 @@ from conftest import wait_pages_free
 
 
 def test_client_disconnect_mid_stream_frees_pages(live):
+    aborted = live.engine.call(lambda e: e.num_aborted)
     with httpx.Client(base_url=live.url, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json={"prompt": "Tell me a long story", "max_tokens": 100,
                                                         "stream": True, "ignore_eos": True}) as r:
-            lines = r.iter_lines()
-            got = [next(lines) for _ in range(3)]
-            assert any(line.startswith("data: ") for line in got)
-            st = live.engine.call(lambda e: e.stats())
-            assert st["pages_free"] < st["pages_total"]
+            assert next(r.iter_lines()).startswith("data: ")
+            with live.engine._lock:                  # hold the engine between steps: the request is mid-stream
+                st = live.engine.engine.stats()
+                assert st["pages_free"] < st["pages_total"] and st["running"] == 1
+                r.close()                            # the client hangs up
     assert wait_pages_free(live.engine)
+    assert live.engine.call(lambda e: e.num_aborted) == aborted + 1
 
 
 def test_non_streaming_disconnect_frees_pages(live):
     aborted = live.engine.call(lambda e: e.num_aborted)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(live.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 120, "n": 8,
-                                                        "ignore_eos": True}, timeout=0.01)
+    body = json.dumps({"prompt": "hi", "max_tokens": 120, "n": 8, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", live.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    deadline = time.time() + 30
+    while live.engine.engine.num_running == 0 and time.time() < deadline:
+        time.sleep(0.001)
+    with live.engine._lock:                          # the 8 choices are running; the client hangs up
+        assert live.engine.engine.num_running > 0
+        sock.close()
     assert wait_pages_free(live.engine)
     assert live.engine.call(lambda e: e.num_aborted) == aborted + 8
 

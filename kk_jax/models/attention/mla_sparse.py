@@ -47,7 +47,8 @@ class SparseMLA(nnx.Module):
         mask = self.indexer.select(x, qr, index_pool, batch.positions, batch.page_table)      # [B, T, S]
         lat = latent_pool[batch.page_table].reshape(b, -1, kl)                               # [B, S, kl]
         wkv = self.kv_b_proj.weight[...].reshape(h, nope + vd, kl)
-        q_abs = jnp.einsum("bthn,hnc->bthc", q, wkv[:, :nope], preferred_element_type=jnp.float32)
+        q_abs = jnp.einsum("bthn,hnc->bthc", q.astype(jnp.float32), wkv[:, :nope].astype(jnp.float32),
+                           precision=jax.lax.Precision.HIGHEST)
         s = jnp.einsum("bthc,bsc->bhts", q_abs, lat.astype(jnp.float32),
                        precision=jax.lax.Precision.HIGHEST) * nope ** -0.5
         s = jnp.where(mask[:, None], s, _MASKED)

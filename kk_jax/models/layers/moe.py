@@ -3,8 +3,9 @@
 Router in fp32: ``s = sigmoid(W x)``; the top-k experts are chosen by ``s + bias`` but weighted
 by the unbiased ``s``, renormalised and scaled by ``routed_scaling_factor``. Experts are
 clamped SwiGLUs; a shared expert is added. Expert matmuls are grouped (tokens sorted by
-expert) through ``tokamax.ragged_dot`` — its Mosaic GPU kernel on the H200, its XLA fallback
-elsewhere — never ``jax.lax.ragged_dot`` on the GPU. Under tensor parallelism each device
+expert): the ``pallas`` backend runs ``tokamax.ragged_dot`` (its Mosaic GPU kernel on the
+H200); the ``xla`` backend (CPU, tests) runs ``jax.lax.ragged_dot`` in fp32, which XLA's CPU
+dot supports — never on the GPU hot path. Under tensor parallelism each device
 holds a slice of every expert's intermediate width; partial outputs are summed across ``tp``.
 """
 
@@ -30,13 +31,16 @@ def route(x: jax.Array, weight: jax.Array, bias: jax.Array, k: int, scaling: flo
     return idx.astype(jnp.int32), w * scaling
 
 
-def _ragged_dot(lhs, rhs, group_sizes):
-    import tokamax
+def _ragged_dot(lhs, rhs, group_sizes, backend: str):
+    if backend == "pallas":
+        import tokamax
 
-    return tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+        return tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    return jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32), group_sizes,
+                              precision=jax.lax.Precision.HIGHEST)
 
 
-def grouped_experts(x, idx, w, gate, up, down, limit: float):
+def grouped_experts(x, idx, w, gate, up, down, limit: float, backend: str = "xla"):
     """x [N, D]; idx, w [N, k]; gate, up [E, D, I]; down [E, I, D] -> [N, D] f32
     (a partial sum when the I dimension is sharded)."""
     n, k = idx.shape
@@ -46,10 +50,10 @@ def grouped_experts(x, idx, w, gate, up, down, limit: float):
     token = order // k
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     xs = x[token]                                                              # [N·k, D]
-    g = _ragged_dot(xs, gate, sizes)                                            # [N·k, I]
-    u = _ragged_dot(xs, up, sizes)
+    g = _ragged_dot(xs, gate, sizes, backend)                                   # [N·k, I]
+    u = _ragged_dot(xs, up, sizes, backend)
     h = jax.nn.silu(jnp.minimum(g, limit)) * jnp.clip(u, -limit, limit)
-    y = _ragged_dot(h.astype(x.dtype), down, sizes)                             # [N·k, D]
+    y = _ragged_dot(h.astype(x.dtype), down, sizes, backend)                    # [N·k, D]
     y = y * w.reshape(-1)[order][:, None]
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y)
 
@@ -82,7 +86,7 @@ class MoE(nnx.Module):
         self.shared_experts = SwiGLU(hidden, width * shared, dtype, limit=limit)
         self.top_k, self.scaling, self.renorm, self.limit = top_k, scaling, renorm, limit
 
-    def __call__(self, x: jax.Array, mesh) -> jax.Array:
+    def __call__(self, x: jax.Array, mesh, backend: str) -> jax.Array:
         """x [B, T, D] -> [B, T, D]."""
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
@@ -90,7 +94,7 @@ class MoE(nnx.Module):
                        self.scaling, self.renorm)
 
         def shard(flat, idx, w, gate, up, down):
-            return jax.lax.psum(grouped_experts(flat, idx, w, gate, up, down, self.limit), TP)
+            return jax.lax.psum(grouped_experts(flat, idx, w, gate, up, down, self.limit, backend), TP)
 
         ex = self.experts
         col, row = P(None, None, TP), P(None, TP, None)

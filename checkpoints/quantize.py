@@ -1,0 +1,175 @@
+"""Write a quantized copy of a bf16 / f32 Hugging Face checkpoint.
+
+    python checkpoints/quantize.py --in DIR --out DIR --algo fp8_block|mxfp8|nvfp4 [--exclude PATTERN ...]
+
+Every linear projection of the model (the ``Linear`` layers kk_jax builds for the
+checkpoint's architecture; output heads named ``lm_head`` always stay in floating point) is
+quantized unless a ``--exclude`` pattern matches its module name (``fnmatch`` wildcards, the
+exact name, or a parent module such as ``model.layers.0``). Everything else (embeddings,
+norms, tokenizer files, generation config) is copied unchanged. The result has exactly the
+tensors and config entries the public releases have:
+
+* ``fp8_block``: ``X.weight`` e4m3 + ``X.weight_scale_inv`` f32 ``[ceil(N/128), ceil(K/128)]``;
+  ``config.json`` ``quantization_config = {quant_method: fp8, fmt: e4m3, activation_scheme:
+  dynamic, weight_block_size: [128, 128]}`` (+ ``modules_to_not_convert`` with the excludes).
+* ``mxfp8``: ``X.weight`` e4m3 + ``X.weight_scale`` uint8 E8M0 ``[N, K/32]``;
+  ``hf_quant_config.json`` (``quant_algo: MXFP8``, ``exclude_modules``) and the matching
+  ``quantization_config`` (``quant_method: modelopt``) in ``config.json``.
+* ``nvfp4``: ``X.weight`` uint8 ``[N, K/2]`` + ``X.weight_scale`` e4m3 ``[N, K/16]`` +
+  ``X.weight_scale_2`` f32 ``[]`` (no ``input_scale``: there is no activation calibration).
+
+Scale rules: ``kk_jax.quant.{fp8_block,mxfp8,nvfp4}`` (ModelOpt's for the ModelOpt formats).
+The safetensors files keep the input's file names and split; the index is rewritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):                      # python checkpoints/quantize.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+ALGOS = ("fp8_block", "mxfp8", "nvfp4")
+
+
+class QuantizeError(ValueError):
+    """The input cannot be quantized as asked; the message says what to change."""
+
+
+def linear_modules(model_dir: Path) -> list[str]:
+    """Names of the Linear / FusedLinear-member modules kk_jax builds for this checkpoint."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from kk_jax.config import load_model_config
+    from kk_jax.models.layers.linear import FusedLinear, Linear
+    from kk_jax.models.registry import model_class
+
+    cfg = load_model_config(model_dir)
+    model = nnx.eval_shape(lambda: model_class(cfg.architecture)(cfg, jnp.bfloat16))
+    names = []
+    for path, module in nnx.iter_modules(model):
+        if isinstance(module, FusedLinear):
+            names += [m for m, _ in module.members]
+        elif isinstance(module, Linear):
+            names.append(".".join(map(str, path)))
+    return names
+
+
+def quantize_tensor(algo: str, w: np.ndarray) -> dict[str, np.ndarray]:
+    """{suffix: array} replacing ``weight`` for one [N, K] float weight."""
+    import jax.numpy as jnp
+
+    from kk_jax.quant import fp8_block, mxfp8, nvfp4
+
+    w = jnp.asarray(np.asarray(w, np.float32))
+    if algo == "fp8_block":
+        q, s = fp8_block.quantize(w)
+        return {"weight": np.asarray(q), "weight_scale_inv": np.asarray(s, np.float32)}
+    if algo == "mxfp8":
+        q, s = mxfp8.quantize(w)
+        return {"weight": np.asarray(q), "weight_scale": np.asarray(s, np.uint8)}
+    q, s, s2 = nvfp4.quantize(w)
+    return {"weight": np.asarray(q, np.uint8), "weight_scale": np.asarray(s),
+            "weight_scale_2": np.asarray(s2, np.float32).reshape(())}
+
+
+def quantize_checkpoint(src, dst, algo: str, exclude: list[str] | tuple = (), progress: bool = False) -> Path:
+    """Writes the quantized copy of ``src`` into ``dst`` (created; must not be ``src``)."""
+    from safetensors.numpy import save
+
+    from kk_jax.checkpoint.safetensors_io import LazyTensor, index_checkpoint
+    from kk_jax.quant.config import QuantConfig, detect
+
+    src, dst = Path(src), Path(dst)
+    if algo not in ALGOS:
+        raise QuantizeError(f"--algo must be one of {', '.join(ALGOS)}, got {algo!r}")
+    if src.resolve() == dst.resolve():
+        raise QuantizeError("--out must differ from --in")
+    if detect(src) is not None:
+        raise QuantizeError(f"{src} is already quantized; start from a bf16/f32 checkpoint")
+    block = (128, 128) if algo == "fp8_block" else (1, {"mxfp8": 32, "nvfp4": 16}[algo])
+    qcfg = QuantConfig(algo, block, tuple(exclude), activation_scheme="dynamic" if algo == "fp8_block" else None)
+    tensors = index_checkpoint(src)
+    targets = {m for m in linear_modules(src) if qcfg.method_for(m) and f"{m}.weight" in tensors}
+    problems = []
+    for m in sorted(targets):
+        info = tensors[f"{m}.weight"]
+        if info.dtype not in ("F32", "BF16", "F16"):
+            problems.append(f"{m}.weight has dtype {info.dtype}; quantize a bf16/f32 checkpoint")
+        k = info.shape[-1]
+        need = {"mxfp8": 32, "nvfp4": 16}.get(algo, 1)
+        if k % need:
+            problems.append(f"{m}.weight has in_features {k}, not a multiple of {need} ({algo}); "
+                            f"add --exclude {m}")
+    if problems:
+        raise QuantizeError("cannot quantize:\n  " + "\n  ".join(problems))
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for old in list(dst.glob("*.safetensors")) + [dst / "model.safetensors.index.json"]:
+        if old.is_file():
+            old.unlink()
+    by_file: dict[str, list[str]] = {}
+    for name, info in tensors.items():
+        by_file.setdefault(info.file.name, []).append(name)
+    weight_map, total = {}, 0
+    for fname, names in sorted(by_file.items()):
+        out: dict[str, np.ndarray] = {}
+        for name in sorted(names, key=lambda n: tensors[n].start):
+            arr = LazyTensor(tensors[name])[...]
+            module, _, suffix = name.rpartition(".")
+            if suffix == "weight" and module in targets:
+                for sfx, q in quantize_tensor(algo, arr).items():
+                    out[f"{module}.{sfx}"] = np.array(q, order="C")        # keeps 0-d scalars 0-d
+                if progress:
+                    print(f"  {module}: {algo}", file=sys.stderr)
+            else:
+                out[name] = np.array(arr, order="C")
+        (dst / fname).write_bytes(save(out, metadata={"format": "pt"}))
+        weight_map.update({n: fname for n in out})
+        total += sum(a.nbytes for a in out.values())
+    if (src / "model.safetensors.index.json").is_file():
+        index = {"metadata": {"total_size": int(total)}, "weight_map": dict(sorted(weight_map.items()))}
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+    for p in src.iterdir():                              # tokenizer, generation config, templates, ...
+        if p.is_file() and p.suffix != ".safetensors" and p.name not in (
+                "config.json", "model.safetensors.index.json", "hf_quant_config.json"):
+            shutil.copy2(p, dst / p.name)
+    config = json.loads((src / "config.json").read_text())
+    qc, hf_quant = qcfg.to_hf()
+    config["quantization_config"] = qc
+    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if hf_quant is not None:
+        (dst / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2, sort_keys=True) + "\n")
+    elif (dst / "hf_quant_config.json").is_file():
+        (dst / "hf_quant_config.json").unlink()
+    return dst
+
+
+def _main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--in", dest="src", required=True, help="bf16/f32 HF checkpoint directory")
+    ap.add_argument("--out", required=True, help="output directory (created)")
+    ap.add_argument("--algo", required=True, choices=ALGOS)
+    ap.add_argument("--exclude", nargs="*", default=[], metavar="PATTERN",
+                    help="module-name patterns to keep in floating point (fnmatch, exact or parent names)")
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        out = quantize_checkpoint(args.src, args.out, args.algo, args.exclude, progress=not args.quiet)
+    except QuantizeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.algo} checkpoint to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

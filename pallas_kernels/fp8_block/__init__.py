@@ -1,0 +1,39 @@
+"""Block-FP8 matmul (the DeepSeek-V3 / GLM-5.3 release format).
+
+    y = matmul(x, w_q, w_scale_inv, *, block=(128, 128), act_quant=False,
+               backend="pallas", out_dtype=None, interpret=False)
+
+  x            [..., K]  bf16 or f32
+  w_q          [N, K]    float8_e4m3fn
+  w_scale_inv  [ceil(N/128), ceil(K/128)] float32: w = w_q * w_scale_inv[n // 128, k // 128]
+  returns      [..., N]  out_dtype (default x.dtype), fp32 accumulation
+
+act_quant=False: W8A16, weights dequantized once to bf16 (``bf16(f32(w_q) * scale)``).
+act_quant=True: W8A8 with activations quantized per token and 128-wide K group, the
+release's reference numerics and the fast prefill path (fp8 wgmma, DeepGEMM-style promotion);
+it changes numerics against W8A16, so it is an explicit choice, never switched per call.
+backend="xla" is the jnp twin (``reference.py``); backend="pallas" the Mosaic GPU kernels
+(``kernel.py``; interpret=True runs them on CPU; 128x128 blocks only).
+"""
+
+from __future__ import annotations
+
+from .kernel import matmul_kernel
+from .reference import DEFAULT_BLOCK, dequantize_bf16, matmul_reference, quantize_activations
+
+BACKENDS = ("pallas", "xla")
+
+
+def matmul(x, w_q, w_scale_inv, *, block=DEFAULT_BLOCK, act_quant=False, backend="pallas", out_dtype=None,
+           interpret=False):
+    """See the module docstring."""
+    if backend == "xla":
+        return matmul_reference(x, w_q, w_scale_inv, block=block, act_quant=act_quant, out_dtype=out_dtype)
+    if backend == "pallas":
+        return matmul_kernel(x, w_q, w_scale_inv, block=block, act_quant=act_quant, out_dtype=out_dtype,
+                             interpret=interpret)
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+__all__ = ["matmul", "matmul_kernel", "matmul_reference", "dequantize_bf16", "quantize_activations",
+           "BACKENDS"]

@@ -1,0 +1,34 @@
+"""MXFP8 (ModelOpt) weight-only matmul.
+
+    y = matmul(x, w_q, w_scale, *, backend="pallas", out_dtype=None, interpret=False)
+
+  x        [..., K]  bf16 or f32 (enters the tensor cores as bf16)
+  w_q      [N, K]    float8_e4m3fn
+  w_scale  [N, K/32] uint8 E8M0: w = w_q * 2^(w_scale - 127) per 32 values along K
+  returns  [..., N]  out_dtype (default x.dtype), fp32 accumulation
+
+backend="xla": the jnp twin (``reference.py``): dequantize to bf16 (exact), XLA dot.
+backend="pallas": Mosaic GPU kernel (``kernel.py`` over ``wdequant.py``): weight tiles stay
+MXFP8 in HBM and are dequantized in registers; decode-shaped calls (M <= 64) split K across
+CTAs to stream the weights at full bandwidth, larger M run the prefill tiling. interpret=True
+runs it in Mosaic GPU interpret mode (CPU). The backend is chosen once per server.
+"""
+
+from __future__ import annotations
+
+from .kernel import matmul_kernel
+from .reference import dequantize_bf16, matmul_reference
+
+BACKENDS = ("pallas", "xla")
+
+
+def matmul(x, w_q, w_scale, *, backend="pallas", out_dtype=None, interpret=False):
+    """See the module docstring."""
+    if backend == "xla":
+        return matmul_reference(x, w_q, w_scale, out_dtype=out_dtype)
+    if backend == "pallas":
+        return matmul_kernel(x, w_q, w_scale, out_dtype=out_dtype, interpret=interpret)
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+__all__ = ["matmul", "matmul_kernel", "matmul_reference", "dequantize_bf16", "BACKENDS"]

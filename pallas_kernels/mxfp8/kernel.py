@@ -1,0 +1,25 @@
+"""MXFP8 weight-only matmul on Hopper: the shared dequantizing engine (``wdequant.py``) with
+32-column groups, one E8M0 scale per row and group. See ``wdequant`` for the design."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from . import wdequant as wd
+from .reference import validate
+
+
+def matmul_kernel(x, w_q, w_scale, *, out_dtype=None, interpret=False, **plan_overrides):
+    """x [..., K] @ dequant(w_q)^T -> [..., N]; plan_overrides: tk, splits, stages, bm."""
+    validate(x, w_q, w_scale)
+    out_dtype = out_dtype or x.dtype
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k).astype(jnp.bfloat16)
+    m, n = x2.shape[0], w_q.shape[0]
+    np_ = wd.round_up(n, wd.BN)
+    p = wd.plan(m, np_, k, "mxfp8", **plan_overrides)
+    xp = wd.pad_rows(x2, wd.round_up(m, p.bm))
+    # Rows are padded per call only when N is not a multiple of 64 (never for real layers).
+    w, s = wd.pad_rows(w_q, np_), wd.pad_rows(w_scale, np_)
+    y = wd.wdequant_matmul((xp,), w, (s,), fmt="mxfp8", p=p, out_dtype=out_dtype, interpret=interpret)
+    return wd.finish(y, p, m, n, out_dtype).reshape(*lead, n)

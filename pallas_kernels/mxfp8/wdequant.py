@@ -1,0 +1,324 @@
+"""Shared Mosaic GPU (Hopper) engine for weight-only quantized matmuls (W8A16 / W4A16).
+
+    y[M, N] = x[M, K] (bf16) @ dequant(w)[N, K]^T      fp32 accumulation
+
+Used by ``pallas_kernels.{mxfp8,fp8_block,nvfp4}``. Hopper has no block-scaled tensor-core
+instruction, so each CTA streams its quantized weight tile HBM -> SMEM with TMA, dequantizes
+it in registers (exact bit tricks, below), writes the bf16 tile to SMEM and issues a bf16
+``wgmma``. The product is "swapped" (A = weight rows, B = tokens): the accumulator is
+``[64 weight rows, bm tokens]``, so a decode batch of 1..64 tokens sits in wgmma's N
+dimension (multiple of 8) instead of being padded to M = 64.
+
+One kernel serves both shapes of the problem, only the tiling differs (``plan``):
+
+* decode (M <= 64): bm = 8/16/32/64 tokens, K split over ``splits`` CTAs so that
+  ``N/64 * splits`` CTAs fill the GPU; fp32 partials are summed by the wrapper. The kernel
+  is weight-streaming: 2-4 TMA stages of weight bytes in flight per CTA, tiles small enough
+  for two CTAs per SM.
+* prefill (M > 64): bm = 128 or 256 tokens, no split, a ``[64, bm]`` fp32 accumulator.
+
+Dequantization per format (``fmt``):
+
+* ``mxfp8``: e4m3 -> bf16 is exact (through f16, which Hopper converts natively); the E8M0
+  scale becomes a bf16 power of two by moving its 8 bits into the bf16 exponent field
+  (``u << 7``) and the multiply is exact. The tile is processed in 32-column groups, each with
+  one per-row scale vector (loaded straight from GMEM in the wgmma row layout, one step ahead).
+  E8M0 0 (2^-127) maps to 0 (ModelOpt writes it for all-zero blocks, whose values are 0
+  anyway) and 255 (NaN) to inf.
+* ``fp8_block``: one fp32 scale per 64x``tk`` tile (the tile sits inside one 128x128 block):
+  ``bf16(f32(e4m3) * scale)``, rounded once, exactly as the jnp reference does.
+* ``nvfp4``: bytes hold E2M1 codes, element 2i in the low nibble. A code's 3 magnitude bits
+  placed at f16 bits 9..11 give ``e2m1 * 2^-14`` exactly (E2M1's subnormal 0.5 lands on an
+  f16 subnormal), so ``value * scale = f16bits(code) * (2^14 * e4m3 scale)``: exact in bf16
+  (2 + 4 significant bits). Low and high nibbles become two bf16 tiles multiplied against
+  the even and odd K columns of x (the wrapper splits x once), the global ``weight_scale_2``
+  multiplies the fp32 accumulator in the epilogue. The packed tile is read in 32-byte column
+  groups (the narrowest swizzle), each covering four 16-element scale blocks; a per-column
+  select picks each element's block scale.
+
+Constraints (the per-format wrappers pad what does not fit with ``pad_rows`` / ``pad_cols``):
+N a multiple of 64, K a multiple of ``tk``, M a multiple of ``bm``. Padding M or the
+activations is cheap; padding N or K copies the weight on every call, which only odd shapes
+(N = 1 in tests) need: real layers have N % 64 == 0 and K a multiple of the step.
+
+The dequantized tile goes through shared memory (``wgmma`` with A from SMEM) rather than
+straight from registers: Mosaic GPU's CPU interpreter only models SMEM operands, and the
+kernel must be testable on CPU. Both wgmma operands use the same swizzle (64 bytes for the
+32-column groups), which ``wgmma`` requires.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+BN = 64                      # weight rows per CTA (one warpgroup's wgmma M)
+ROW = plgpu.Layout.WGMMA.reduce(1)
+WGMMA = plgpu.Layout.WGMMA
+UPCAST_2X = plgpu.Layout.WGMMA_UPCAST_2X
+NUM_SMS = 132                # H200; only used to size the decode split
+
+
+def smem_tile(dtype, minor: int, swizzle: int | None = None) -> tuple:
+    """Tiling + swizzle transforms for an SMEM tile whose minor dim holds ``minor`` elements."""
+    isz = jnp.dtype(dtype).itemsize
+    sw = swizzle or min(128, minor * isz)
+    return (plgpu.TilingTransform((8, sw // isz)), plgpu.SwizzleTransform(sw))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static tiling of one call."""
+
+    bm: int          # tokens per CTA (wgmma N)
+    tk: int          # K elements per pipeline step
+    splits: int      # CTAs along K (fp32 partials summed by the wrapper when > 1)
+    stages: int      # TMA pipeline depth
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# Shared memory per CTA: prefill tiles take one CTA per SM (227 KB on Hopper, minus barriers and
+# slack); decode tiles are kept small enough for two CTAs per SM so that one CTA's dequantization
+# overlaps the other's loads.
+SMEM_BUDGET = {"prefill": 200 * 1024, "decode": 110 * 1024}
+
+
+def smem_bytes(fmt: str, bm: int, tk: int, stages: int, out_bytes: int = 4) -> int:
+    """Shared memory of one CTA: pipelined weight + activation tiles, dequantized tiles, output."""
+    w_step = BN * (tk // 2 if fmt == "nvfp4" else tk)
+    x_step = bm * tk * (1 if fmt == "fp8_w8a8" else 2)
+    wdq = 0 if fmt == "fp8_w8a8" else 2 * BN * tk * 2
+    return stages * (w_step + x_step) + wdq + bm * BN * out_bytes
+
+
+def plan(m: int, n: int, k: int, fmt: str, *, tk: int | None = None, splits: int | None = None,
+         stages: int | None = None, bm: int | None = None, budget: int | None = None) -> Plan:
+    """Tiles for an [m, k] x [n, k]^T product (n a multiple of 64, k of the chosen tk).
+
+    ``fmt`` is mxfp8 / fp8_block / nvfp4 (dequantizing engine) or fp8_w8a8 (tk = 128). The
+    largest K step and pipeline depth that fit ``budget`` bytes of shared memory win."""
+    decode = m <= 64
+    budget = budget or SMEM_BUDGET["decode" if decode else "prefill"]
+    if bm is None:
+        bm = max(8, _pow2_at_least(m)) if decode else (128 if m <= 128 else 256)
+    if fmt == "fp8_w8a8":
+        cands = (128,)
+    elif decode:
+        cands = (256, 128, 64, 32)
+    else:
+        cands = (64, 32)
+    if fmt == "nvfp4":
+        cands = tuple(c for c in cands if c >= 64) or (64,)
+    if fmt == "fp8_block":
+        cands = tuple(c for c in cands if c <= 128)
+    if tk is not None:
+        cands = (tk,)
+    depths = (stages,) if stages is not None else ((4, 3, 2) if decode else (3, 2))
+    # decode: deepest pipeline first (bytes in flight), then the widest step; prefill: widest step first
+    options = ([(c, d) for d in depths for c in cands if k % c == 0] if decode else
+               [(c, d) for c in cands if k % c == 0 for d in depths])
+    if not options:
+        raise ValueError(f"K={k} is not a multiple of any supported tile {cands} for {fmt}")
+    fits = [o for o in options if smem_bytes(fmt, bm, o[0], o[1]) <= budget]
+    tk, stages = (fits or [min(options, key=lambda o: smem_bytes(fmt, bm, *o))])[0]
+    nk = k // tk
+    if splits is None:
+        splits = 1
+        if decode:
+            ctas = (n // BN) * (-(-m // bm))
+            for s in range(1, nk + 1):
+                if nk % s == 0 and nk // s >= 2 and ctas * s <= 3 * NUM_SMS:
+                    splits = s
+    if nk % splits:
+        raise ValueError(f"splits={splits} must divide the {nk} K steps")
+    return Plan(bm=bm, tk=tk, splits=splits, stages=max(2, min(stages, nk // splits + 1)))
+
+
+def _e8m0_to_bf16(u):
+    """E8M0 bytes -> bf16 2^(u-127) by placing u in the bf16 exponent field."""
+    return lax.bitcast_convert_type(lax.shift_left(u.astype(jnp.int16), jnp.int16(7)), jnp.bfloat16)
+
+
+def _e4m3_to_f32(v):
+    return v.astype(jnp.float16).astype(jnp.float32)
+
+
+def _e2m1_times_2m14(codes_i16):
+    """E2M1 codes (int16, 0..15) -> f16 holding code_value * 2^-14, exact."""
+    bits = lax.shift_left(lax.bitwise_and(codes_i16, jnp.int16(7)), jnp.int16(9))
+    sign = lax.shift_left(lax.bitwise_and(codes_i16, jnp.int16(8)), jnp.int16(12))
+    return lax.bitcast_convert_type(lax.bitwise_or(bits, sign), jnp.float16)
+
+
+def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, interpret=False):
+    """Runs the kernel on padded operands.
+
+    xs      mxfp8/fp8_block: (x [Mp, K] bf16,);  nvfp4: (x_even, x_odd) each [Mp, K/2] bf16
+    w       [N, K] e4m3 (mxfp8, fp8_block) or [N, K/2] uint8 (nvfp4)
+    scales  mxfp8: (weight_scale uint8 [N, K/32],); fp8_block: (weight_scale_inv f32 [N/128, K/128],);
+            nvfp4: (weight_scale e4m3 [N, K/16], weight_scale_2 f32 [1])
+    returns [Mp, N] out_dtype (splits == 1) or [splits, Mp, N] f32 partials
+    """
+    mp = xs[0].shape[0]
+    n = w.shape[0]
+    bm, tk, splits, stages = p.bm, p.tk, p.splits, p.stages
+    k = w.shape[1] * (2 if fmt == "nvfp4" else 1)
+    nk = k // tk // splits
+    if n % BN or mp % bm or k % (tk * splits):
+        raise ValueError(f"operands not padded for the plan: M={mp} N={n} K={k} plan={p}")
+    part_dtype = jnp.float32 if splits > 1 else jnp.dtype(out_dtype)
+    bf16 = jnp.bfloat16
+
+    if fmt == "mxfp8":
+        groups, gw = tk // 32, 32                    # 32-column groups, one scale each
+        w_block, w_tr = (BN, tk), smem_tile(jnp.float8_e4m3fn, tk, swizzle=32)
+        x_blocks = [(bm, tk)]
+        op_tr = smem_tile(bf16, tk, swizzle=64)
+        wdq_shape = (2, 1, BN, tk)
+    elif fmt == "fp8_block":
+        w_block, w_tr = (BN, tk), smem_tile(jnp.float8_e4m3fn, tk)
+        x_blocks = [(bm, tk)]
+        op_tr = smem_tile(bf16, tk)
+        wdq_shape = (2, 1, BN, tk)
+    elif fmt == "nvfp4":
+        half = tk // 2
+        groups, gw = half // 32, 32                  # 32-byte column groups = four 16-element blocks
+        w_block, w_tr = (BN, half), smem_tile(jnp.uint8, half, swizzle=32)
+        x_blocks = [(bm, half), (bm, half)]
+        op_tr = smem_tile(bf16, half, swizzle=64)
+        wdq_shape = (2, 2, BN, half)
+    else:
+        raise ValueError(f"unknown format {fmt!r}")
+
+    def kernel(*refs):
+        nx = len(xs)
+        x_gmem = refs[:nx]
+        w_gmem = refs[nx]
+        s_gmem = refs[nx + 1:nx + 1 + len(scales)]
+        o_gmem, wdq, o_smem = refs[nx + 1 + len(scales):]
+        nb = lax.axis_index("n")
+        mb = lax.axis_index("m")
+        ks = lax.axis_index("k")
+        k0 = ks * nk                                 # first K step of this split
+        rows = pl.ds(nb * BN, BN)
+
+        def step_scales(kk):
+            """Per-row scale vectors (ROW layout) of K step kk, as the dequant multipliers."""
+            if fmt == "mxfp8":
+                return tuple(_e8m0_to_bf16(plgpu.load(s_gmem[0].at[rows, (k0 + kk) * groups + j],
+                                                      layout=ROW, optimized=False))
+                             for j in range(groups))
+            if fmt == "nvfp4":       # four 16-element blocks per 32-byte group; 2^14 folded in
+                return tuple(
+                    (_e4m3_to_f32(plgpu.load(s_gmem[0].at[rows, (k0 + kk) * 4 * groups + i],
+                                             layout=ROW, optimized=False)) * 16384.0).astype(bf16)
+                    for i in range(4 * groups))
+            return ()
+
+        def dequant(w_smem, buf, sc, kk):
+            if fmt == "fp8_block":
+                s = s_gmem[0][(nb * BN) // 128, ((k0 + kk) * tk) // 128]
+                wt = plgpu.load(w_smem, layout=UPCAST_2X)
+                wt = _e4m3_to_f32(plgpu.layout_cast(wt, WGMMA)) * s
+                buf.at[0][...] = wt.astype(bf16)
+                return
+            for j in range(groups):
+                cols = pl.ds(gw * j, gw)
+                if fmt == "mxfp8":
+                    wj = plgpu.load(w_smem.at[:, cols], layout=UPCAST_2X)
+                    wj = plgpu.layout_cast(wj, WGMMA).astype(jnp.float16).astype(bf16)
+                    buf.at[0, :, cols][...] = wj * lax.broadcast_in_dim(sc[j], wj.shape, [0])
+                else:
+                    bj = plgpu.load(w_smem.at[:, cols], layout=UPCAST_2X)
+                    bj = plgpu.layout_cast(bj, WGMMA).astype(jnp.int16)
+                    lo = lax.bitwise_and(bj, jnp.int16(15))
+                    hi = lax.shift_right_logical(bj, jnp.int16(4))
+                    # byte column c holds elements 2c, 2c+1 of block c // 8
+                    col = plgpu.broadcasted_iota(jnp.int32, (BN, gw), 1, layout=WGMMA)
+                    s = lax.broadcast_in_dim(sc[4 * j + 3], (BN, gw), [0])
+                    for i in (2, 1, 0):
+                        s = jnp.where(col < 8 * (i + 1), lax.broadcast_in_dim(sc[4 * j + i], (BN, gw), [0]), s)
+                    buf.at[0, :, cols][...] = _e2m1_times_2m14(lo).astype(bf16) * s
+                    buf.at[1, :, cols][...] = _e2m1_times_2m14(hi).astype(bf16) * s
+
+        def compute(acc):
+            def body(idx, w_smem, *rest):
+                x_smems, carry = rest[:-1], rest[-1]
+                (kk,) = idx
+                nxt = step_scales(jnp.minimum(kk + 1, nk - 1))
+                buf = wdq.at[lax.rem(kk, 2)]
+                dequant(w_smem, buf, carry, kk)
+                plgpu.commit_smem()
+                for part, x_smem in enumerate(x_smems):
+                    plgpu.wgmma(acc, buf.at[part], x_smem.T)
+                plgpu.wgmma_wait(1)
+                return nxt
+
+            in_specs = [plgpu.BlockSpec(w_block, lambda kk: (nb, k0 + kk), transforms=w_tr)]
+            in_specs += [plgpu.BlockSpec(blk, lambda kk: (mb, k0 + kk), transforms=op_tr, delay_release=1)
+                         for blk in x_blocks]
+            plgpu.emit_pipeline(body, grid=(nk,), in_specs=in_specs, max_concurrent_steps=stages,
+                                init_carry=step_scales(0))(w_gmem, *x_gmem)
+            plgpu.wgmma_wait(0)
+            return acc[...]
+
+        acc = pl.run_scoped(compute, plgpu.ACC((BN, bm), jnp.float32))
+        if fmt == "nvfp4":
+            acc = acc * s_gmem[1][0]
+        o_smem.T[...] = plgpu.layout_cast(acc.astype(part_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+        plgpu.commit_smem()
+        dst = o_gmem.at[ks] if splits > 1 else o_gmem
+        plgpu.copy_smem_to_gmem(o_smem, dst.at[pl.ds(mb * bm, bm), rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    out_shape = (splits, mp, n) if splits > 1 else (mp, n)
+    kwargs = {}
+    if interpret:
+        kwargs["interpret"] = (interpret if isinstance(interpret, plgpu.InterpretGPUParams)
+                               else plgpu.InterpretGPUParams())
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(out_shape, part_dtype),
+        scratch_types=(
+            plgpu.SMEM(wdq_shape, bf16, transforms=op_tr),                    # dequantized tiles
+            plgpu.SMEM((bm, BN), part_dtype, transforms=smem_tile(part_dtype, BN)),   # output tile
+        ),
+        grid=(n // BN, mp // bm, splits),
+        grid_names=("n", "m", "k"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        **kwargs,
+    )
+    return call(*xs, w, *scales)
+
+
+def finish(y, p: Plan, m: int, n: int, out_dtype):
+    """Sums split partials and crops the padding: -> [m, n] out_dtype."""
+    if p.splits > 1:
+        y = jnp.sum(y, axis=0)
+    return y[:m, :n].astype(out_dtype)
+
+
+def pad_rows(a, rows: int):
+    """Zero-pads axis 0 to ``rows``."""
+    return a if a.shape[0] == rows else jnp.pad(a, ((0, rows - a.shape[0]),) + ((0, 0),) * (a.ndim - 1))
+
+
+def pad_cols(a, cols: int):
+    return a if a.shape[1] == cols else jnp.pad(a, ((0, 0), (0, cols - a.shape[1])))
+
+
+def round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def ceil_div(a: int, b: int) -> int:
+    return math.ceil(a / b)

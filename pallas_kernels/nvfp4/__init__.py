@@ -1,0 +1,33 @@
+"""NVFP4 (ModelOpt) weight-only matmul (W4A16).
+
+    y = matmul(x, w_q, w_scale, w_scale_2, *, backend="pallas", out_dtype=None, interpret=False)
+
+  x          [..., K]   bf16 or f32 (enters the tensor cores as bf16)
+  w_q        [N, K/2]   uint8, two E2M1 codes per byte, element 2i in the low nibble
+  w_scale    [N, K/16]  float8_e4m3fn per-16 block scale
+  w_scale_2  []         float32 global scale
+  returns    [..., N]   out_dtype (default x.dtype), fp32 accumulation
+
+ModelOpt's ``input_scale`` (W4A4 activation scale) is not an input: activations stay bf16.
+backend="xla" is the jnp twin (``reference.py``); backend="pallas" the Mosaic GPU kernel
+(``kernel.py``; interpret=True runs it on CPU). Chosen once per server.
+"""
+
+from __future__ import annotations
+
+from .kernel import matmul_kernel
+from .reference import dequantize_bf16, matmul_reference
+
+BACKENDS = ("pallas", "xla")
+
+
+def matmul(x, w_q, w_scale, w_scale_2, *, backend="pallas", out_dtype=None, interpret=False):
+    """See the module docstring."""
+    if backend == "xla":
+        return matmul_reference(x, w_q, w_scale, w_scale_2, out_dtype=out_dtype)
+    if backend == "pallas":
+        return matmul_kernel(x, w_q, w_scale, w_scale_2, out_dtype=out_dtype, interpret=interpret)
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+__all__ = ["matmul", "matmul_kernel", "matmul_reference", "dequantize_bf16", "BACKENDS"]

@@ -1,0 +1,126 @@
+"""pallas_kernels.fp8_block: W8A16 and W8A8 kernels (Mosaic GPU interpret mode) <-> jnp twins
+<-> NumPy oracle (independent e4m3 decoding, tests/quant/quant_oracle.py).
+
+W8A16 numerics: weights ``bf16(f32(e4m3) * scale)``, bf16 activations, fp32 accumulation.
+W8A8: activations quantized per token and 128-wide K group; the oracle recomputes
+``sum_b (xq_b @ wq_b^T) * sx[:, b] * sw[:, b]`` from the decoded bytes.
+"""
+
+import math
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "quant"))
+import quant_oracle as orc  # noqa: E402
+
+from kk_jax.quant import fp8_block as q  # noqa: E402
+from pallas_kernels.fp8_block import matmul, matmul_kernel, matmul_reference, quantize_activations  # noqa: E402
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(jnp.asarray(a, jnp.float32), np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def make(m, n, k, seed=0):
+    """x [m, k]; a block-FP8 weight whose 128x128 blocks differ in scale by up to 2^12."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    nb, kb = math.ceil(n / 128), math.ceil(k / 128)
+    mag = np.exp2(rng.integers(-6, 7, (nb, kb))).repeat(128, 0).repeat(128, 1)[:n, :k]
+    wq, ws = q.quantize(rng.standard_normal((n, k)) * 0.05 * mag)
+    return jnp.asarray(x), wq, ws
+
+
+def oracle_w8a16(x, wq, ws):
+    return orc.matmul(np.asarray(x), orc.bf16_round(orc.dequant_fp8_block(wq, ws)))
+
+
+def oracle_w8a8(x, wq, ws):
+    xq, sx = quantize_activations(x)
+    xd, wd = orc.decode_e4m3(xq), orc.decode_e4m3(wq)
+    sx, sw = np.asarray(sx, np.float64), np.asarray(ws, np.float64)
+    y = np.zeros((x.shape[0], wq.shape[0]))
+    for b in range(sx.shape[1]):
+        cols = slice(128 * b, 128 * (b + 1))
+        part = xd[:, cols] @ wd[:, cols].T
+        y += part * sx[:, b:b + 1] * np.repeat(sw[:, b], 128)[None, : wq.shape[0]]
+    return y
+
+
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_reference_matches_oracle(act_quant):
+    x, wq, ws = make(4, 200, 300)                       # partial 128-blocks on both axes
+    oracle = oracle_w8a8 if act_quant else oracle_w8a16
+    y = matmul_reference(x, wq, ws, act_quant=act_quant, out_dtype=jnp.float32)
+    assert rel_err(y, oracle(x, wq, ws)) < 1e-6
+
+
+@pytest.mark.parametrize("m,n,k,overrides", [
+    (1, 64, 64, {}),                              # M = 1, K smaller than the 128-step
+    (5, 1, 40, {}),                               # N = 1; K = 40 padded to the 32-wide step
+    (8, 256, 1024, dict(splits=2)),               # decode split-K
+    (100, 192, 256, {}),                          # prefill tiling, N not a multiple of 128
+])
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_kernel_matches_oracle(m, n, k, overrides, act_quant):
+    x, wq, ws = make(m, n, k, seed=m + n)
+    y = matmul_kernel(x, wq, ws, act_quant=act_quant, out_dtype=jnp.float32, interpret=True, **overrides)
+    assert y.shape == (m, n)
+    oracle = oracle_w8a8 if act_quant else oracle_w8a16
+    assert rel_err(y, oracle(x, wq, ws)) < 1e-5
+
+
+def test_activation_quantization_rule():
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 200)).astype(np.float32))
+    x = x.at[1, 128:].set(0.0)                        # an all-zero group gets scale 1
+    xq, sx = quantize_activations(x)
+    assert xq.shape == (3, 200) and sx.shape == (3, 2)
+    amax = np.abs(np.asarray(x)).reshape(3, -1)
+    want = np.stack([amax[:, :128].max(1), np.pad(amax[:, 128:], ((0, 0), (0, 56))).max(1)], 1) / 448.0
+    want[1, 1] = 1.0
+    np.testing.assert_allclose(np.asarray(sx), want, rtol=1e-7)
+    back = orc.decode_e4m3(xq) * np.repeat(np.asarray(sx, np.float64), 128, 1)[:, :200]
+    assert np.max(np.abs(back - np.asarray(x))) <= np.max(amax) * 2.0 ** -4
+
+
+def test_bad_operands_are_named():
+    x, wq, ws = make(2, 64, 256)
+    with pytest.raises(ValueError, match=r"w_scale_inv has shape \[1, 1\], expected \[1, 2\]"):
+        matmul(x, wq, ws[:, :1], backend="xla")
+    with pytest.raises(ValueError, match="w_scale_inv must be float32"):
+        matmul(x, wq, ws.astype(jnp.bfloat16), backend="pallas", interpret=True)
+    with pytest.raises(ValueError, match="support 128x128 weight blocks"):
+        matmul(x, wq, jnp.ones((1, 4), jnp.float32), block=(64, 64), backend="pallas")
+
+
+@pytest.mark.parametrize("m", [1, 2048])
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_lowers_for_hopper(m, act_quant):
+    n, k = 256, 4096
+    f = lambda x, w, s: matmul(x, w, s, act_quant=act_quant)
+    jax.jit(f).trace(jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
+                     jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32)).lower(lowering_platforms=("cuda",))
+
+
+def _has_gpu() -> bool:
+    try:
+        return jax.devices()[0].platform == "gpu"
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (300, 512, 1024)])
+def test_compiled_kernel_matches_oracle(m, n, k, act_quant):
+    x, wq, ws = make(m, n, k, seed=5)
+    y = matmul(x, wq, ws, act_quant=act_quant, backend="pallas", out_dtype=jnp.float32)
+    oracle = oracle_w8a8 if act_quant else oracle_w8a16
+    assert rel_err(y, oracle(x, wq, ws)) < (2e-3 if act_quant else 1e-4)   # fp8 MMA accumulates in reduced precision

@@ -1,0 +1,189 @@
+"""KDA Pallas kernels (Mosaic GPU interpret mode on CPU) against the reference and oracle.
+
+Prefill (varlen {1,15,16,63,64,65,200}, batched with GVA, initial state given / absent,
+checkpoints), decode (dummy slot 0, reset of a reused slot, untouched slots bit-identical,
+in-place update under jit with a donated pool), verify + commit, prefill-then-decode
+consistency, bf16 and fp32 inputs, K = V = 64 and 128. The kernels use bf16 tensor-core
+operands for the prefill (fla does the same), so prefill tolerances are bf16-sized (2e-2
+relative); decode / verify are pure fp32 and are held to 1e-5. `gpu`-marked tests compile
+the kernels on an NVIDIA GPU and compare them with the reference at larger sizes.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kda import chunk_kda, kda_commit, kda_decode, kda_verify
+from pallas_kernels.kda.oracle import kda_oracle, kda_steps_oracle
+from test_kda import LENS, cu_of, make_inputs, rand_state, rel_err
+
+PREFILL_TOL = 2e-2
+
+
+def _has_gpu():
+  try:
+    return any(d.platform == "gpu" for d in jax.devices())
+  except RuntimeError:
+    return False
+
+
+def _interpret():
+  return not _has_gpu()
+
+
+# ------------------------------------------------------------------------- prefill
+
+
+@pytest.mark.parametrize("kd,with_init,dtype", [
+    (64, True, jnp.bfloat16),
+    (128, False, jnp.float32),
+])
+def test_chunk_kernel_varlen_matches_reference_and_oracle(kd, with_init, dtype):
+  q, k, v, g, beta = make_inputs(t=sum(LENS), h=2, kd=kd, vd=kd, seed=kd, dtype=dtype)
+  init = rand_state(len(LENS), 2, kd, kd) if with_init else None
+  kw = dict(initial_state=init, cu_seqlens=cu_of(LENS), output_final_state=True,
+            use_qk_l2norm=True, checkpoint_every=64)
+  o, fin, ck = chunk_kda(q, k, v, g, beta, backend="pallas", interpret=_interpret(), **kw)
+  o_x, fin_x, ck_x = chunk_kda(q, k, v, g, beta, backend="xla", **kw)
+  oo, ff, cc = kda_oracle(q, k, v, g, beta, initial_state=init, cu_seqlens=cu_of(LENS),
+                          use_qk_l2norm=True, checkpoint_every=64, dtype=np.float64)
+  assert o.dtype == v.dtype and o.shape == v.shape
+  assert rel_err(o, o_x) < PREFILL_TOL and rel_err(o, oo) < PREFILL_TOL
+  assert rel_err(fin, fin_x) < PREFILL_TOL and rel_err(fin, ff) < PREFILL_TOL
+  np.testing.assert_array_equal(np.asarray(ck.offsets), np.asarray(ck_x.offsets))
+  want = np.stack([s for per in cc for s in per])
+  assert rel_err(ck.states[:len(want)], want) < PREFILL_TOL
+  np.testing.assert_array_equal(np.asarray(ck.states[len(want):]), 0.0)
+  # every sequence's tokens, not just the total, must match
+  cu = np.asarray(cu_of(LENS))
+  for i in range(len(LENS)):
+    s, e = cu[i], cu[i + 1]
+    assert rel_err(o[:, s:e], oo[:, s:e]) < PREFILL_TOL, f"sequence {i} (len {e - s})"
+
+
+def test_chunk_kernel_batched_gva_fp32():
+  """B = 2 lanes, T = 130 (not a chunk multiple), 1 q/k head feeding 2 value heads."""
+  q, k, v, g, beta = make_inputs(b=2, t=130, h=1, hv=2, kd=64, vd=64, seed=3)
+  init = rand_state(2, 2, 64, 64)
+  o, fin = chunk_kda(q, k, v, g, beta, initial_state=init, output_final_state=True,
+                     backend="pallas", interpret=_interpret())
+  oo, ff, _ = kda_oracle(q, k, v, g, beta, initial_state=init, dtype=np.float64)
+  assert rel_err(o, oo) < PREFILL_TOL and rel_err(fin, ff) < PREFILL_TOL
+  o2, none = chunk_kda(q, k, v, g, beta, initial_state=init, backend="pallas",
+                       interpret=_interpret())
+  assert none is None
+  np.testing.assert_array_equal(np.asarray(o2), np.asarray(o))
+
+
+# -------------------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("kd,dtype", [(64, jnp.bfloat16), (128, jnp.float32)])
+def test_decode_kernel_matches_oracle_and_isolates_slots(kd, dtype):
+  """Rows 0 and 3 pad onto dummy slot 0, row 2 resets reused slot 1. Slots no real row names
+  (2, 3, 5) must be bit-identical afterwards; real rows match the fp32 oracle."""
+  n = 4
+  q, k, v, g, beta = make_inputs(lead=(n,), h=1, hv=2, kd=kd, vd=kd, seed=kd, dtype=dtype)
+  pool = rand_state(6, 2, kd, kd)
+  pool = pool.at[1].set(jnp.nan)          # garbage in the reused slot must not leak
+  slots = jnp.array([0, 4, 1, 0], jnp.int32)
+  reset = jnp.array([False, False, True, False])
+  o, new = kda_decode(q, k, v, g, beta, pool, slots, reset=reset, use_qk_l2norm=True,
+                      backend="pallas", interpret=_interpret())
+  init = np.nan_to_num(np.asarray(pool)[np.asarray(slots)])
+  init[2] = 0.0
+  oo, ss = kda_steps_oracle(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+                            init, use_qk_l2norm=True, dtype=np.float64)
+  tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5      # bf16 output rounding
+  assert o.dtype == dtype
+  assert rel_err(o[1:3], oo[1:3, 0]) < tol
+  assert rel_err(new[4], ss[1, 0]) < 1e-5
+  assert rel_err(new[1], ss[2, 0]) < 1e-5
+  for s in (2, 3, 5):
+    np.testing.assert_array_equal(np.asarray(new[s]), np.asarray(pool[s]))
+
+
+def test_decode_kernel_in_place_under_jit():
+  """The pool is donated and updated in place; results equal the xla backend's."""
+  q, k, v, g, beta = make_inputs(lead=(2,), kd=64, vd=64, seed=2)
+  pool = rand_state(3, 2, 64, 64)
+  slots = jnp.array([2, 1], jnp.int32)
+  want_o, want_pool = kda_decode(q, k, v, g, beta, pool, slots, backend="xla")
+  step = jax.jit(lambda p, *a: kda_decode(*a, p, slots, backend="pallas",
+                                          interpret=_interpret()), donate_argnums=0)
+  o, new = step(jnp.array(pool), q, k, v, g, beta)
+  assert rel_err(o, want_o) < 1e-5 and rel_err(new, want_pool) < 1e-5
+
+
+def test_verify_kernel_commit_equals_decode_kernel_prefix():
+  n, ts, kd = 2, 3, 64
+  q, k, v, g, beta = make_inputs(lead=(n, ts), kd=kd, vd=kd, seed=8)
+  pool = rand_state(4, 2, kd, kd)
+  slots = jnp.array([3, 1], jnp.int32)
+  o, states = kda_verify(q, k, v, g, beta, pool, slots, use_qk_l2norm=True,
+                         backend="pallas", interpret=_interpret())
+  oo, ss = kda_steps_oracle(q, k, v, g, beta, np.asarray(pool)[np.asarray(slots)],
+                            use_qk_l2norm=True, dtype=np.float64)
+  assert rel_err(o, oo) < 1e-5 and rel_err(states, ss) < 1e-5
+  committed = kda_commit(pool, slots, states, jnp.array([2, 0], jnp.int32))
+  dec = pool
+  for i in range(2):
+    _, dec = kda_decode(q[:1, i], k[:1, i], v[:1, i], g[:1, i], beta[:1, i], dec,
+                        slots[:1], use_qk_l2norm=True, backend="pallas",
+                        interpret=_interpret())
+  assert rel_err(committed[3], dec[3]) < 1e-6
+  for s in (0, 1, 2):
+    np.testing.assert_array_equal(np.asarray(committed[s]), np.asarray(pool[s]))
+
+
+def test_kernel_prefill_then_decode_equals_longer_prefill():
+  tp, kk = 64, 2
+  q, k, v, g, beta = make_inputs(t=tp + kk, kd=64, vd=64, seed=12, dtype=jnp.bfloat16)
+  _, f_pre = chunk_kda(q[:, :tp], k[:, :tp], v[:, :tp], g[:, :tp], beta[:, :tp],
+                       output_final_state=True, use_qk_l2norm=True, backend="pallas",
+                       interpret=_interpret())
+  pool = jnp.zeros((3, 2, 64, 64), jnp.float32).at[1].set(f_pre[0])
+  outs = []
+  for i in range(tp, tp + kk):
+    o, pool = kda_decode(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], pool,
+                         jnp.array([1], jnp.int32), use_qk_l2norm=True, backend="pallas",
+                         interpret=_interpret())
+    outs.append(o)
+  oo, ff, _ = kda_oracle(q, k, v, g, beta, use_qk_l2norm=True, dtype=np.float64)
+  assert rel_err(jnp.stack(outs, 1), oo[:, tp:]) < PREFILL_TOL
+  assert rel_err(pool[1], ff[0]) < PREFILL_TOL
+
+
+# ------------------------------------------------------------------ compiled (GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("kd", [64, 128])
+def test_gpu_compiled_prefill_matches_reference(kd):
+  lens = (1, 15, 16, 63, 64, 65, 200, 2048, 777)
+  q, k, v, g, beta = make_inputs(t=sum(lens), h=4, kd=kd, vd=kd, seed=kd,
+                                 dtype=jnp.bfloat16)
+  init = rand_state(len(lens), 4, kd, kd)
+  kw = dict(initial_state=init, cu_seqlens=cu_of(lens), output_final_state=True,
+            use_qk_l2norm=True)
+  o, fin = jax.jit(lambda *a: chunk_kda(*a, backend="pallas", **kw))(q, k, v, g, beta)
+  o_x, fin_x = jax.jit(lambda *a: chunk_kda(*a, backend="xla", **kw))(q, k, v, g, beta)
+  assert rel_err(o, o_x) < PREFILL_TOL and rel_err(fin, fin_x) < PREFILL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs an NVIDIA GPU")
+def test_gpu_compiled_decode_verify_match_reference():
+  n, hv, kd = 64, 8, 128
+  q, k, v, g, beta = make_inputs(lead=(n,), h=hv, kd=kd, vd=kd, seed=1)
+  pool = rand_state(n + 1, hv, kd, kd)
+  slots = jnp.arange(1, n + 1, dtype=jnp.int32)
+  o, new = jax.jit(lambda *a: kda_decode(*a, backend="pallas"))(q, k, v, g, beta, pool, slots)
+  o_x, new_x = kda_decode(q, k, v, g, beta, pool, slots, backend="xla")
+  assert rel_err(o, o_x) < 1e-4 and rel_err(new, new_x) < 1e-4
+  q, k, v, g, beta = make_inputs(lead=(n, 4), h=hv, kd=kd, vd=kd, seed=2)
+  o, st = jax.jit(lambda *a: kda_verify(*a, backend="pallas"))(q, k, v, g, beta, pool, slots)
+  o_x, st_x = kda_verify(q, k, v, g, beta, pool, slots, backend="xla")
+  assert rel_err(o, o_x) < 1e-4 and rel_err(st, st_x) < 1e-4

@@ -1,0 +1,86 @@
+"""pallas_kernels.nvfp4: kernel (Mosaic GPU interpret mode) <-> jnp twin <-> NumPy oracle
+(independent E2M1 / e4m3 decoding with ModelOpt's low-nibble-first order,
+tests/quant/quant_oracle.py)."""
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "quant"))
+import quant_oracle as orc  # noqa: E402
+
+from kk_jax.quant import nvfp4 as q  # noqa: E402
+from pallas_kernels.nvfp4 import matmul, matmul_kernel, matmul_reference  # noqa: E402
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(jnp.asarray(a, jnp.float32), np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def make(m, n, k, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)) * np.exp2(rng.integers(-4, 5, (n, k // 16))).repeat(16, 1)
+    wq, ws, s2 = q.quantize(w)
+    return jnp.asarray(x), wq, ws, s2
+
+
+def oracle(x, wq, ws, s2):
+    return orc.matmul(np.asarray(x), orc.dequant_nvfp4(wq, ws, s2))
+
+
+def test_reference_matches_oracle():
+    x, *w = make(3, 70, 48)
+    assert rel_err(matmul_reference(x, *w, out_dtype=jnp.float32), oracle(x, *w)) < 1e-6
+
+
+@pytest.mark.parametrize("m,n,k,overrides", [
+    (1, 64, 64, {}),                           # M = 1
+    (5, 1, 48, {}),                            # N = 1; K = 48 padded to the 64-wide step
+    (8, 128, 512, dict(tk=128, splits=2)),    # decode split-K
+    (72, 64, 256, {}),                         # prefill tiling
+])
+def test_kernel_matches_oracle(m, n, k, overrides):
+    x, *w = make(m, n, k, seed=m + n)
+    y = matmul_kernel(x, *w, out_dtype=jnp.float32, interpret=True, **overrides)
+    assert y.shape == (m, n)
+    assert rel_err(y, oracle(x, *w)) < 1e-5
+
+
+def test_bad_operands_are_named():
+    x, wq, ws, s2 = make(2, 64, 128)
+    with pytest.raises(ValueError, match=r"w_scale has shape \[64, 7\], expected \[64, 8\]"):
+        matmul(x, wq, ws[:, :7], s2, backend="xla")
+    with pytest.raises(ValueError, match="w_q must be uint8"):
+        matmul(x, wq.astype(jnp.int8), ws, s2, backend="pallas", interpret=True)
+    with pytest.raises(ValueError, match="w_scale_2 must hold one value"):
+        matmul(x, wq, ws, jnp.ones((2,)), backend="xla")
+
+
+@pytest.mark.parametrize("m", [1, 2048])
+def test_lowers_for_hopper(m):
+    n, k = 256, 4096
+    f = lambda x, w, s, s2: matmul(x, w, s, s2)
+    jax.jit(f).trace(jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
+                     jax.ShapeDtypeStruct((n, k // 16), jnp.float8_e4m3fn),
+                     jax.ShapeDtypeStruct((), jnp.float32)).lower(lowering_platforms=("cuda",))
+
+
+def _has_gpu() -> bool:
+    try:
+        return jax.devices()[0].platform == "gpu"
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (300, 512, 1024)])
+def test_compiled_kernel_matches_oracle(m, n, k):
+    x, *w = make(m, n, k, seed=7)
+    assert rel_err(matmul(x, *w, backend="pallas", out_dtype=jnp.float32), oracle(x, *w)) < 1e-4

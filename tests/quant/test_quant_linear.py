@@ -1,0 +1,150 @@
+"""Quantization-aware Linear / FusedLinear: one call for every format, the Pallas kernels
+inside ``jax.shard_map`` on a tp mesh (column- and row-parallel), fused projections loaded
+from several checkpoint tensors per tp shard, and the fused-format check that runs before
+any weight is read."""
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import quant_oracle as qo  # noqa: E402
+
+from checkpoints.quantize import quantize_checkpoint  # noqa: E402
+from kk_jax.checkpoint.loader import expected_tensors, load_params  # noqa: E402
+from kk_jax.models.layers.linear import (FusedLinear, Linear, QuantLayoutError, prepare_linears,  # noqa: E402
+                                         quantize_linears)
+from kk_jax.parallel.mesh import make_mesh, spec  # noqa: E402
+from kk_jax.quant import QuantConfig, fp8_block, mxfp8, nvfp4  # noqa: E402
+
+QUANTIZE = {"fp8_block": fp8_block.quantize, "mxfp8": mxfp8.quantize, "nvfp4": nvfp4.quantize}
+SUFFIXES = {"fp8_block": ("weight", "weight_scale_inv"), "mxfp8": ("weight", "weight_scale"),
+            "nvfp4": ("weight", "weight_scale", "weight_scale_2")}
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(jnp.asarray(a, jnp.float32), np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def quantized_linear(method, n, k, axes, seed=0, **kw):
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) / np.sqrt(k)
+    lin = Linear(k, n, jnp.float32, axes=axes)
+    lin.quantize_(method, **kw)
+    for sfx, arr in zip(SUFFIXES[method], QUANTIZE[method](w)):
+        getattr(lin, sfx).value = arr
+    return lin
+
+
+@pytest.mark.parametrize("method", ["fp8_block", "mxfp8", "nvfp4"])
+def test_one_call_for_every_format(method):
+    lin = quantized_linear(method, 64, 128, ("heads", "embed"))
+    x = jax.random.normal(jax.random.key(0), (2, 3, 128), jnp.float32)
+    y = lin(x)
+    assert y.shape == (2, 3, 64) and y.dtype == jnp.float32
+    # the kernels' weights: bf16(f32(e4m3) * scale) for block FP8, exact for the others
+    w = lin.dense_weight(jnp.bfloat16 if method == "fp8_block" else jnp.float32)
+    want = qo.matmul(np.asarray(x).reshape(6, 128), np.asarray(w.astype(jnp.float32)))
+    assert rel_err(y.reshape(6, 64), want) < 1e-5
+    lin.backend, lin.interpret = "pallas", True                 # the kernel, same numerics
+    assert rel_err(lin(x), y) < 1e-5
+
+
+@pytest.mark.parametrize("axes,x_local,w_local", [
+    (("heads", "embed"), (4, 128), (32, 128)),     # column-parallel: N split, output N-sharded
+    (("embed", "heads"), (4, 64), (64, 64)),       # row-parallel: K split, fp32 partials psum-ed
+], ids=["column", "row"])
+def test_pallas_path_runs_per_shard_inside_shard_map(monkeypatch, axes, x_local, w_local):
+    """The Pallas backend on a tp=2 mesh: each shard's kernel sees its own slice of x, the weight
+    and the scales. The per-shard kernel is replaced by its jnp twin here (the Mosaic GPU
+    interpreter is not safe to run on two CPU devices at once); the kernels themselves are
+    tested in tests/pallas_kernels."""
+    import kk_jax.models.layers.linear as linear_mod
+
+    seen = []
+    real = linear_mod._kernel_call
+
+    def twin(method, x2, ops, **kw):
+        seen.append((x2.shape, ops[0].shape, ops[1].shape))
+        return real(method, x2, ops, **{**kw, "backend": "xla", "interpret": False})
+
+    monkeypatch.setattr(linear_mod, "_kernel_call", twin)
+    mesh = make_mesh(2)
+    lin = quantized_linear("mxfp8", 64, 128, axes, seed=1, backend="pallas", mesh=mesh)
+    for sfx in SUFFIXES["mxfp8"]:
+        v = getattr(lin, sfx)
+        v.value = jax.device_put(v.value, NamedSharding(mesh, spec(axes)))
+    x = jax.random.normal(jax.random.key(1), (4, 128), jnp.float32)
+    y = jax.jit(lambda x: lin(x))(x)
+    assert seen and seen[0] == (x_local, w_local, (w_local[0], w_local[1] // 32))
+    want = qo.matmul(np.asarray(x), np.asarray(lin.dense_weight(jnp.float32)))
+    assert rel_err(y, want) < 1e-5
+
+
+MEMBERS = [(f"model.layers.{i}.self_attn.{p}", 32) for i in (0, 1) for p in ("k_proj", "v_proj")]
+
+
+class KVFeatures(nnx.Module):
+    """All layers' K and V projections of the same features as one matmul (the drafter shape)."""
+
+    def __init__(self, dtype):
+        self.kv = FusedLinear(64, MEMBERS, dtype, axes=("kv_heads", "embed"))
+
+
+@pytest.fixture(scope="module")
+def mxfp8_ckpt(tiny_ckpt, tmp_path_factory):
+    return quantize_checkpoint(tiny_ckpt, tmp_path_factory.mktemp("fused") / "mxfp8", "mxfp8")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fused_members_load_per_shard_and_split(mxfp8_ckpt, tp):
+    mesh = make_mesh(tp)
+    model = nnx.eval_shape(lambda: prepare_linears(KVFeatures(jnp.float32), mxfp8_ckpt, mesh=mesh))
+    graphdef, state = nnx.split(model)
+    expected = expected_tensors(nnx.to_flat_state(state))
+    assert expected["kv.weight"].sources == tuple((f"{m}.weight", 32) for m, _ in MEMBERS)
+    params = load_params(mxfp8_ckpt, expected, jnp.float32, mesh, progress=False, ignore=("model.",))
+    assert params["kv.weight"].dtype == jnp.float8_e4m3fn and params["kv.weight_scale"].shape == (128, 2)
+    nnx.replace_by_pure_dict(state, {"kv": {k.split(".")[1]: v for k, v in params.items()}})
+    model = nnx.merge(graphdef, state)
+    x = jax.random.normal(jax.random.key(2), (3, 64), jnp.float32)
+    outs = model.kv.split(jax.jit(lambda x: model.kv(x))(x))
+    from kk_jax.checkpoint.safetensors_io import LazyTensor, index_checkpoint
+    idx = index_checkpoint(mxfp8_ckpt)
+    for (name, _), y in zip(MEMBERS, outs):
+        w = qo.dequant_mxfp8(LazyTensor(idx[f"{name}.weight"])[...], LazyTensor(idx[f"{name}.weight_scale"])[...])
+        assert rel_err(y, qo.matmul(np.asarray(x), w)) < 1e-5
+
+
+def test_fused_mix_of_mxfp8_and_unquantized_is_rejected_before_loading(tmp_path):
+    """Only the config files exist: the error comes from the format check, not from the loader."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps(
+        {"quantization": {"quant_algo": "MXFP8", "exclude_modules": ["model.layers.1.self_attn.v_proj"]}}))
+    with pytest.raises(QuantLayoutError) as e:
+        nnx.eval_shape(lambda: prepare_linears(KVFeatures(jnp.bfloat16), tmp_path))
+    msg = str(e.value)
+    assert "kv: cannot fuse MXFP8 and non-MXFP8 members along N" in msg
+    assert "model.layers.1.self_attn.v_proj (unquantized)" in msg and "model.layers.0.self_attn.k_proj (mxfp8)" in msg
+    assert "nothing was loaded" in msg
+
+
+def test_fused_block_fp8_membership_follows_tensors():
+    q = QuantConfig("fp8_block", (128, 128), by_tensors=True)
+    names = {f"{m}.weight_scale_inv" for m, _ in MEMBERS[:3]}
+    with pytest.raises(QuantLayoutError, match="cannot fuse members of different formats"):
+        nnx.eval_shape(lambda: quantize_linears(KVFeatures(jnp.bfloat16), q, tensor_names=names))
+
+
+@pytest.mark.parametrize("method,k,msg", [("mxfp8", 48, "MXFP8 needs in_features to be a multiple of 32, got 48"),
+                                          ("nvfp4", 40, "NVFP4 needs in_features to be a multiple of 16, got 40")])
+def test_k_not_divisible_by_the_block_names_the_layer(method, k, msg):
+    with pytest.raises(QuantLayoutError, match=f"model.layers.0.mlp.down_proj: {msg}"):
+        Linear(k, 64, jnp.bfloat16, axes=("embed", "mlp")).quantize_(method, name="model.layers.0.mlp.down_proj")

@@ -1,0 +1,172 @@
+"""Quantized checkpoints end to end: ``checkpoints/quantize.py`` writes the release layouts,
+the loader places the quantized tensors on the device as they are, and a tiny Qwen3 in each
+format generates through ``kk_jax.LLM`` exactly the greedy tokens of the NumPy oracle run on
+the same weights dequantized on the host. Bad checkpoints fail with errors naming tensors."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import quant_oracle as qo  # noqa: E402
+from oracles import qwen3_numpy as oracle  # noqa: E402
+
+from checkpoints.make_tiny import make_tiny  # noqa: E402
+from checkpoints.quantize import _main as quantize_main, quantize_checkpoint  # noqa: E402
+from kk_jax import LLM  # noqa: E402
+from kk_jax.checkpoint.loader import CheckpointError  # noqa: E402
+from kk_jax.checkpoint.safetensors_io import LazyTensor, index_checkpoint  # noqa: E402
+from kk_jax.config import ConfigError  # noqa: E402
+from kk_jax.engine.request import SamplingParams  # noqa: E402
+from kk_jax.models.layers.linear import QuantLayoutError  # noqa: E402
+
+SMALL = dict(dtype="float32", max_model_len=32, max_num_seqs=1, max_num_batched_tokens=8, decode_steps=4,
+             progress=False)
+PROMPT = [1, 2, 3, 4, 5]
+Q_PROJ = "model.layers.0.self_attn.q_proj"
+EXCLUDE = ["model.layers.1.mlp*", "model.layers.0.self_attn.o_proj"]
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_ckpt, tmp_path_factory):
+    """{algo: checkpoint dir}; the NVFP4 one keeps EXCLUDE in floating point."""
+    root = tmp_path_factory.mktemp("quantized")
+    return {algo: quantize_checkpoint(tiny_ckpt, root / algo, algo, EXCLUDE if algo == "nvfp4" else ())
+            for algo in ("fp8_block", "mxfp8", "nvfp4")}
+
+
+def host_dequantized(ckpt: Path) -> dict[str, np.ndarray]:
+    """float64 weights of a quantized checkpoint, decoded from its bytes by the test oracle."""
+    t = {n: LazyTensor(i)[...] for n, i in index_checkpoint(ckpt).items()}
+    out = {}
+    for name, a in t.items():
+        module, _, sfx = name.rpartition(".")
+        if sfx != "weight":
+            continue                                            # scales are consumed below
+        if f"{module}.weight_scale_inv" in t:
+            out[name] = qo.dequant_fp8_block(a, t[f"{module}.weight_scale_inv"])
+        elif f"{module}.weight_scale_2" in t:
+            out[name] = qo.dequant_nvfp4(a, t[f"{module}.weight_scale"], t[f"{module}.weight_scale_2"])
+        elif f"{module}.weight_scale" in t:
+            out[name] = qo.dequant_mxfp8(a, t[f"{module}.weight_scale"])
+        else:
+            out[name] = np.asarray(a, np.float64)
+    return out
+
+
+@pytest.mark.parametrize("algo,weight_dtype,weight_shape,scales", [
+    ("fp8_block", "F8_E4M3", [64, 64], {"weight_scale_inv": ("F32", [1, 1])}),
+    ("mxfp8", "F8_E4M3", [64, 64], {"weight_scale": ("U8", [64, 2])}),
+    ("nvfp4", "U8", [64, 32], {"weight_scale": ("F8_E4M3", [64, 4]), "weight_scale_2": ("F32", [])}),
+])
+def test_quantize_writes_the_release_layout(quantized, algo, weight_dtype, weight_shape, scales):
+    ckpt = quantized[algo]
+    idx = index_checkpoint(ckpt)
+    w = idx[f"{Q_PROJ}.weight"]
+    assert (w.dtype, list(w.shape)) == (weight_dtype, weight_shape)
+    for sfx, (dt, shape) in scales.items():
+        assert (idx[f"{Q_PROJ}.{sfx}"].dtype, list(idx[f"{Q_PROJ}.{sfx}"].shape)) == (dt, shape)
+    assert idx["model.embed_tokens.weight"].dtype == "F32" and idx["model.norm.weight"].dtype == "F32"
+    assert not any(n.endswith("input_scale") for n in idx)
+    cfg = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    hq = ckpt / "hf_quant_config.json"
+    if algo == "fp8_block":
+        assert cfg == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                       "weight_block_size": [128, 128]}
+        assert not hq.exists()
+    else:
+        algo_name = algo.upper()
+        assert cfg["quant_method"] == "modelopt" and cfg["quant_algo"] == algo_name
+        assert json.loads(hq.read_text())["quantization"]["quant_algo"] == algo_name
+    assert (ckpt / "tokenizer.json").is_file() and (ckpt / "generation_config.json").is_file()
+
+
+def test_exclude_keeps_modules_in_floating_point(quantized):
+    idx = index_checkpoint(quantized["nvfp4"])
+    for name in ("model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj", "model.layers.0.self_attn.o_proj"):
+        assert idx[f"{name}.weight"].dtype == "F32" and f"{name}.weight_scale" not in idx
+    assert idx["model.layers.1.self_attn.o_proj.weight"].dtype == "U8"
+    hq = json.loads((quantized["nvfp4"] / "hf_quant_config.json").read_text())
+    assert hq["quantization"]["exclude_modules"] == EXCLUDE
+
+
+@pytest.mark.parametrize("algo", ["fp8_block", "mxfp8", "nvfp4"])
+def test_llm_generates_the_dequantized_models_tokens(quantized, algo):
+    ckpt = quantized[algo]
+    llm = LLM(ckpt, **SMALL)
+    weights = dict(zip([".".join(map(str, p)) for p, _ in nnx.to_flat_state(
+        jax.tree.unflatten(llm.engine.runner.treedef, llm.engine.runner.weights))], llm.engine.runner.weights))
+    q = weights[f"{Q_PROJ}.weight"]
+    assert q.dtype == {"fp8_block": jax.numpy.float8_e4m3fn, "mxfp8": jax.numpy.float8_e4m3fn,
+                       "nvfp4": jax.numpy.uint8}[algo]                      # kept quantized on the device
+    got = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0].token_ids
+    cfg = json.loads((ckpt / "config.json").read_text())
+    want = oracle.greedy(cfg, host_dequantized(ckpt), PROMPT, 8)
+    assert got == want
+
+
+def test_tensor_parallel_quantized_model(quantized):
+    """MXFP8 at tp=2: scales are sharded like their weights (column- and row-parallel) and the
+    tokens match tp=1. Block FP8's 128-row blocks cannot be split across tp=2 here: clear error."""
+    llm = LLM(quantized["mxfp8"], tp=2, **SMALL)
+    runner = llm.engine.runner
+    weights = dict(zip([".".join(map(str, p)) for p, _ in nnx.to_flat_state(
+        jax.tree.unflatten(runner.treedef, runner.weights))], runner.weights))
+    s = weights[f"{Q_PROJ}.weight_scale"]                                   # [64, 2] split on rows
+    assert s.addressable_shards[0].data.shape == (32, 2)
+    so = weights["model.layers.0.self_attn.o_proj.weight_scale"]             # row-parallel: K/32 split
+    assert so.addressable_shards[0].data.shape == (64, 1)
+    got = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0].token_ids
+    cfg = json.loads((quantized["mxfp8"] / "config.json").read_text())
+    assert got == oracle.greedy(cfg, host_dequantized(quantized["mxfp8"]), PROMPT, 8)
+    with pytest.raises(QuantLayoutError, match=r"model\.layers\.0\.\w+\.\w+_proj: tp=2 splits dimension [01] of size "
+                                               r"\d+ into shards of \d+, not a multiple of the fp8_block scale block"):
+        LLM(quantized["fp8_block"], tp=2, **SMALL)
+
+
+def test_declared_mxfp8_with_float_tensors_names_them(tiny_ckpt, tmp_path):
+    ckpt = shutil.copytree(tiny_ckpt, tmp_path / "ckpt")
+    (ckpt / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "MXFP8"}}))
+    with pytest.raises(CheckpointError) as e:
+        LLM(ckpt, **SMALL)
+    msg = str(e.value)
+    assert f"tensor {Q_PROJ}.weight has dtype F32, expected F8_E4M3" in msg
+    assert f"missing tensor {Q_PROJ}.weight_scale (expected shape [64, 2])" in msg
+
+
+def test_bad_scale_shape_names_the_tensor(quantized, tmp_path):
+    from safetensors.numpy import save
+
+    ckpt = shutil.copytree(quantized["mxfp8"], tmp_path / "ckpt")
+    idx = index_checkpoint(ckpt)
+    tensors = {n: LazyTensor(i)[...] for n, i in idx.items()}
+    tensors[f"{Q_PROJ}.weight_scale"] = tensors[f"{Q_PROJ}.weight_scale"][:, :1].copy()
+    (ckpt / "model.safetensors").write_bytes(save(tensors))
+    with pytest.raises(CheckpointError, match=rf"tensor {Q_PROJ}.weight_scale has shape \[64, 1\], expected \[64, 2\]"):
+        LLM(ckpt, **SMALL)
+
+
+def test_unknown_quant_algo_is_a_config_error(tiny_ckpt, tmp_path):
+    ckpt = shutil.copytree(tiny_ckpt, tmp_path / "ckpt")
+    (ckpt / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "INT4_AWQ"}}))
+    with pytest.raises(ConfigError, match="unsupported quant_algo 'INT4_AWQ'"):
+        LLM(ckpt, **SMALL)
+
+
+def test_cli(tiny_ckpt, tmp_path, capsys):
+    assert quantize_main(["--in", str(tiny_ckpt), "--out", str(tmp_path / "q"), "--algo", "mxfp8",
+                          "--exclude", "model.layers.0*", "--quiet"]) == 0
+    assert index_checkpoint(tmp_path / "q")["model.layers.0.mlp.up_proj.weight"].dtype == "F32"
+    assert quantize_main(["--in", str(tmp_path / "q"), "--out", str(tmp_path / "q2"), "--algo", "nvfp4"]) == 2
+    assert "already quantized" in capsys.readouterr().err
+    odd = make_tiny(tmp_path / "odd", arch="qwen3", seed=0, dtype="float32", hidden_size=48)
+    assert quantize_main(["--in", str(odd), "--out", str(tmp_path / "q3"), "--algo", "mxfp8"]) == 2
+    err = capsys.readouterr().err
+    assert "model.layers.0.self_attn.q_proj.weight has in_features 48, not a multiple of 32 (mxfp8)" in err
+    assert "add --exclude model.layers.0.self_attn.q_proj" in err
