@@ -9,12 +9,24 @@ import pytest
 from conftest import wait_pages_free
 
 
-def test_client_disconnect_mid_stream_frees_pages(live):
+@pytest.fixture
+def slow_engine(live):
+    """Paces the engine (20 ms after every step) so a request is surely still running when the
+    client hangs up; the tiny model would otherwise finish 100 tokens within milliseconds."""
+    pace = lambda outs, secs: time.sleep(0.02)
+    live.engine.step_listeners.append(pace)
+    yield live
+    live.engine.step_listeners.remove(pace)
+
+
+def test_client_disconnect_mid_stream_frees_pages(slow_engine):
+    live = slow_engine
     aborted = live.engine.call(lambda e: e.num_aborted)
     with httpx.Client(base_url=live.url, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json={"prompt": "Tell me a long story", "max_tokens": 100,
                                                         "stream": True, "ignore_eos": True}) as r:
-            assert next(r.iter_lines()).startswith("data: ")
+            lines = r.iter_lines()                   # keep the iterator: dropping it closes the stream
+            assert next(lines).startswith("data: ")
             with live.engine._lock:                  # hold the engine between steps: the request is mid-stream
                 st = live.engine.engine.stats()
                 assert st["pages_free"] < st["pages_total"] and st["running"] == 1
@@ -23,7 +35,8 @@ def test_client_disconnect_mid_stream_frees_pages(live):
     assert live.engine.call(lambda e: e.num_aborted) == aborted + 1
 
 
-def test_non_streaming_disconnect_frees_pages(live):
+def test_non_streaming_disconnect_frees_pages(slow_engine):
+    live = slow_engine
     aborted = live.engine.call(lambda e: e.num_aborted)
     body = json.dumps({"prompt": "hi", "max_tokens": 120, "n": 8, "ignore_eos": True}).encode()
     sock = socket.create_connection(("127.0.0.1", live.port))
