@@ -22,11 +22,6 @@ from kk_jax.quant import fp8_block as q  # noqa: E402
 from pallas_kernels.fp8_block import matmul, matmul_kernel, matmul_reference, quantize_activations  # noqa: E402
 
 
-def rel_err(a, b) -> float:
-    a, b = np.asarray(jnp.asarray(a, jnp.float32), np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def make(m, n, k, seed=0):
     """x [m, k]; a block-FP8 weight whose 128x128 blocks differ in scale by up to 2^12."""
     rng = np.random.default_rng(seed)
@@ -58,7 +53,7 @@ def test_reference_matches_oracle(act_quant):
     x, wq, ws = make(4, 200, 300)                       # partial 128-blocks on both axes
     oracle = oracle_w8a8 if act_quant else oracle_w8a16
     y = matmul_reference(x, wq, ws, act_quant=act_quant, out_dtype=jnp.float32)
-    assert rel_err(y, oracle(x, wq, ws)) < 1e-6
+    assert orc.rel_err(y, oracle(x, wq, ws)) < 1e-6
 
 
 @pytest.mark.parametrize("m,n,k,overrides", [
@@ -73,7 +68,7 @@ def test_kernel_matches_oracle(m, n, k, overrides, act_quant):
     y = matmul_kernel(x, wq, ws, act_quant=act_quant, out_dtype=jnp.float32, interpret=True, **overrides)
     assert y.shape == (m, n)
     oracle = oracle_w8a8 if act_quant else oracle_w8a16
-    assert rel_err(y, oracle(x, wq, ws)) < 1e-5
+    assert orc.rel_err(y, oracle(x, wq, ws)) < 1e-5
 
 
 def test_activation_quantization_rule():
@@ -123,4 +118,4 @@ def test_compiled_kernel_matches_oracle(m, n, k, act_quant):
     x, wq, ws = make(m, n, k, seed=5)
     y = matmul(x, wq, ws, act_quant=act_quant, backend="pallas", out_dtype=jnp.float32)
     oracle = oracle_w8a8 if act_quant else oracle_w8a16
-    assert rel_err(y, oracle(x, wq, ws)) < (2e-3 if act_quant else 1e-4)   # fp8 MMA accumulates in reduced precision
+    assert orc.rel_err(y, oracle(x, wq, ws)) < (2e-3 if act_quant else 1e-4)   # fp8 MMA accumulates in reduced precision

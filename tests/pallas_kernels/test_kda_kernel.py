@@ -187,3 +187,17 @@ def test_gpu_compiled_decode_verify_match_reference():
   o, st = jax.jit(lambda *a: kda_verify(*a, backend="pallas"))(q, k, v, g, beta, pool, slots)
   o_x, st_x = kda_verify(q, k, v, g, beta, pool, slots, backend="xla")
   assert rel_err(o, o_x) < 1e-4 and rel_err(st, st_x) < 1e-4
+
+
+def test_xla_intra_fallback_matches_tensor_core_intra():
+  """`intra="xla"` (jnp stages 1-2 + the Pallas scan) agrees with the default Mosaic GPU
+  intra-chunk kernel; both agree with the oracle."""
+  from pallas_kernels.kda.kernel import chunk_kda_pallas
+  q, k, v, g, beta = make_inputs(t=100, kd=64, vd=64, seed=21)
+  outs = [chunk_kda_pallas(q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True,
+                           interpret=_interpret(), intra=mode) for mode in ("xla", "pallas")]
+  oo, ff, _ = kda_oracle(q, k, v, g, beta, use_qk_l2norm=True, dtype=np.float64)
+  for o, fin in outs:
+    assert rel_err(o, oo) < PREFILL_TOL and rel_err(fin, ff) < PREFILL_TOL
+  with pytest.raises(ValueError, match="intra"):
+    chunk_kda_pallas(q, k, v, g, beta, intra="triton")

@@ -22,11 +22,6 @@ from kk_jax.quant import mxfp8 as q  # noqa: E402
 from pallas_kernels.mxfp8 import matmul, matmul_kernel, matmul_reference  # noqa: E402
 
 
-def rel_err(a, b) -> float:
-    a, b = np.asarray(jnp.asarray(a, jnp.float32), np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def make(m, n, k, seed=0):
     """x [m, k] and an MXFP8 weight whose 32-blocks span 2^-8 .. 2^8 in magnitude."""
     rng = np.random.default_rng(seed)
@@ -43,7 +38,7 @@ def oracle(x, wq, ws):
 @pytest.mark.parametrize("m,n,k", [(3, 64, 96), (1, 130, 256)])
 def test_reference_matches_oracle(m, n, k):
     x, wq, ws = make(m, n, k)
-    assert rel_err(matmul_reference(x, wq, ws, out_dtype=jnp.float32), oracle(x, wq, ws)) < 1e-6
+    assert orc.rel_err(matmul_reference(x, wq, ws, out_dtype=jnp.float32), oracle(x, wq, ws)) < 1e-6
 
 
 @pytest.mark.parametrize("m,n,k,overrides", [
@@ -57,15 +52,15 @@ def test_kernel_matches_oracle(m, n, k, overrides):
     y = matmul_kernel(x, wq, ws, out_dtype=jnp.float32, interpret=True, **overrides)
     assert y.shape == (m, n)
     want = oracle(x, wq, ws)
-    assert rel_err(y, want) < 1e-5
-    assert rel_err(y, matmul_reference(x, wq, ws, out_dtype=jnp.float32)) < 1e-5
+    assert orc.rel_err(y, want) < 1e-5
+    assert orc.rel_err(y, matmul_reference(x, wq, ws, out_dtype=jnp.float32)) < 1e-5
 
 
 def test_bf16_output_and_leading_dims():
     x, wq, ws = make(6, 64, 128, seed=3)
     y = matmul(x.reshape(2, 3, 128).astype(jnp.bfloat16), wq, ws, interpret=True)
     assert y.shape == (2, 3, 64) and y.dtype == jnp.bfloat16
-    assert rel_err(y.reshape(6, 64), oracle(x, wq, ws)) < 1e-2
+    assert orc.rel_err(y.reshape(6, 64), oracle(x, wq, ws)) < 1e-2
 
 
 @pytest.mark.parametrize("bad,msg", [
@@ -105,4 +100,4 @@ def _has_gpu() -> bool:
 def test_compiled_kernel_matches_oracle(m, n, k):
     x, wq, ws = make(m, n, k, seed=11)
     y = matmul(x, wq, ws, backend="pallas", out_dtype=jnp.float32)
-    assert rel_err(y, oracle(x, wq, ws)) < 1e-4
+    assert orc.rel_err(y, oracle(x, wq, ws)) < 1e-4

@@ -17,11 +17,6 @@ from kk_jax.quant import nvfp4 as q  # noqa: E402
 from pallas_kernels.nvfp4 import matmul, matmul_kernel, matmul_reference  # noqa: E402
 
 
-def rel_err(a, b) -> float:
-    a, b = np.asarray(jnp.asarray(a, jnp.float32), np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def make(m, n, k, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -36,7 +31,7 @@ def oracle(x, wq, ws, s2):
 
 def test_reference_matches_oracle():
     x, *w = make(3, 70, 48)
-    assert rel_err(matmul_reference(x, *w, out_dtype=jnp.float32), oracle(x, *w)) < 1e-6
+    assert orc.rel_err(matmul_reference(x, *w, out_dtype=jnp.float32), oracle(x, *w)) < 1e-6
 
 
 @pytest.mark.parametrize("m,n,k,overrides", [
@@ -49,7 +44,7 @@ def test_kernel_matches_oracle(m, n, k, overrides):
     x, *w = make(m, n, k, seed=m + n)
     y = matmul_kernel(x, *w, out_dtype=jnp.float32, interpret=True, **overrides)
     assert y.shape == (m, n)
-    assert rel_err(y, oracle(x, *w)) < 1e-5
+    assert orc.rel_err(y, oracle(x, *w)) < 1e-5
 
 
 def test_bad_operands_are_named():
@@ -83,4 +78,4 @@ def _has_gpu() -> bool:
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (300, 512, 1024)])
 def test_compiled_kernel_matches_oracle(m, n, k):
     x, *w = make(m, n, k, seed=7)
-    assert rel_err(matmul(x, *w, backend="pallas", out_dtype=jnp.float32), oracle(x, *w)) < 1e-4
+    assert orc.rel_err(matmul(x, *w, backend="pallas", out_dtype=jnp.float32), oracle(x, *w)) < 1e-4

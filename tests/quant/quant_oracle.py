@@ -76,3 +76,10 @@ def bf16_round(x) -> np.ndarray:
 def matmul(x, w) -> np.ndarray:
     """bf16-rounded activations times a float64 weight [N, K]: the W*A16 oracle."""
     return bf16_round(x) @ np.asarray(w, np.float64).T
+
+
+def rel_err(a, b) -> float:
+    """Relative L2 error of a (any array, upcast) against the reference b."""
+    a = np.asarray(np.asarray(a, dtype=np.float32), np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
