@@ -77,8 +77,12 @@ class Glm5DecoderLayer(nnx.Module):
             y, pools[p + "state"], pools[p + "conv"] = self.self_attn(
                 h, pools[p + "state"], pools[p + "conv"], batch.slots, batch.valid, ops.backend, ops.mesh)
         else:
-            y, pools[p + "latent"], pools[p + "index_k"], pools[p + "index_tail"] = self.self_attn(
-                h, pools[p + "latent"], pools[p + "index_k"], pools[p + "index_tail"], batch)
+            index = (pools[p + "index_k"], pools.get(p + "index_k_scale"))
+            y, pools[p + "latent"], index, pools[p + "index_tail"] = self.self_attn(
+                h, pools[p + "latent"], index, pools[p + "index_tail"], batch)
+            pools[p + "index_k"] = index[0]
+            if index[1] is not None:
+                pools[p + "index_k_scale"] = index[1]
         x = mhc_post(x, y, post, comb)
         post, comb, u = self._site("ffn", x)
         h = self.post_attention_layernorm(u)
@@ -108,18 +112,24 @@ class Glm5NextForConditionalGeneration(nnx.Module):
 
     @staticmethod
     def cache_layout(cfg: Glm5NextConfig, kv_dtype) -> CacheLayout:
+        """KDA: fp32 recurrent state and conv inputs (lossless for bf16 projections). DSA: latent
+        pages and pooled index keys in ``kv_dtype``; with fp8, index keys in the serving layout
+        (Hadamard-rotated e4m3 + a power-of-two scale per pool: 33 B/token at d = 128)."""
         h, dk = cfg.linear_num_heads, cfg.linear_head_dim
+        fp8 = jnp.dtype(kv_dtype) == jnp.dtype(jnp.float8_e4m3fn)
         layout: CacheLayout = {}
         for i, kind in enumerate(cfg.layer_types):
             p = f"layers.{i}."
             if kind == LINEAR:
                 layout[p + "state"] = SlotSpec((h, dk, dk), jnp.float32, ("heads", None, None))
-                layout[p + "conv"] = SlotSpec((3, cfg.linear_conv_kernel_dim - 1, h * dk), kv_dtype,
+                layout[p + "conv"] = SlotSpec((3, cfg.linear_conv_kernel_dim - 1, h * dk), jnp.float32,
                                               (None, None, "heads"))
             else:
                 layout[p + "latent"] = PagedSpec((cfg.kv_lora_rank,), kv_dtype, (None,))
                 layout[p + "index_k"] = PagedSpec((cfg.index_head_dim,), kv_dtype, (None,),
                                                   tokens_per_entry=cfg.index_kpool)
+                if fp8:
+                    layout[p + "index_k_scale"] = PagedSpec((), jnp.float32, (), tokens_per_entry=cfg.index_kpool)
                 layout[p + "index_tail"] = SlotSpec((2, cfg.index_kpool, cfg.index_head_dim), jnp.float32,
                                                     (None, None, None))
         return layout

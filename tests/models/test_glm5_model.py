@@ -113,3 +113,18 @@ def test_inconsistent_step_is_rejected_and_pools_stay_bit_identical(llm):
             (r.prefill if isinstance(rows[0], PrefillRow) else r.decode)(rows)
     for n, a in r.pools.items():
         np.testing.assert_array_equal(np.asarray(a), before[n])
+
+
+def test_fp8_cache_stays_close_to_the_exact_cache(ckpt, llm):
+    """--kv-cache-dtype fp8: e4m3 latent + Hadamard-rotated e4m3 index keys with pow2 scales."""
+    ids = [int(x) for x in np.random.default_rng(0).integers(0, 1000, 42)]
+    exact = chunked_logits(llm, ids, 64)
+    fp8 = LLM(ckpt, kv_cache_dtype="fp8", **{**LIMITS, "max_num_seqs": 2, "max_num_batched_tokens": 16})
+    assert fp8.engine.runner.pools["layers.3.latent"].dtype == jnp.float8_e4m3fn
+    got = chunked_logits(fp8, ids, 64)
+    # mean error, not max: a small score change can flip which pool the indexer selects at one
+    # position, a discrete jump that even a bf16 cache shows (measured: mean |d| 0.6% of the
+    # logit std for bf16, 1.3% for fp8 on this model)
+    err = np.mean(np.abs(got - exact)) / np.std(exact)
+    assert 0 < err < 0.03, err
+    assert np.mean(got.argmax(-1) == exact.argmax(-1)) >= 0.9

@@ -114,8 +114,8 @@ def _run_indexer(ix, x, qr, t, page_size=16, pages=4):
     tail_pool = jnp.zeros((2, 2, 4, 8), jnp.float32)
     table = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]
     pos = jnp.arange(t, dtype=jnp.int32)[None]
-    index_pool, _ = ix.update_pools(x, index_pool, tail_pool, jnp.array([1]), pos, jnp.ones((1, t), bool), table)
-    return np.asarray(ix.select(x, qr, index_pool, pos, table))[0], index_pool, table
+    index, _ = ix.update_pools(x, (index_pool, None), tail_pool, jnp.array([1]), pos, jnp.ones((1, t), bool), table)
+    return np.asarray(ix.select(x, qr, index, pos, table))[0], index, table
 
 
 def np_indexer(ix, x, qr, t):
@@ -170,3 +170,42 @@ def test_indexer_is_dense_when_topk_covers_the_context(indexer):
         indexer.select_pools = 2
     np.testing.assert_array_equal(got[:, :t], np.tril(np.ones((t, t), bool)))
     assert not got[:, t:].any()
+
+
+def test_fp8_index_keys_hadamard_and_power_of_two_scales():
+    from kk_jax.models.attention.pooled_indexer import hadamard, quantize_keys
+
+    h = hadamard(128)
+    np.testing.assert_allclose(h @ h.T, np.eye(128), atol=1e-12)
+    rng = np.random.default_rng(6)
+    pooled = rng.standard_normal((5, 128)).astype(np.float32) * np.array([1e-6, 0.1, 1, 10, 1000])[:, None]
+    values, scale = quantize_keys(jnp.asarray(pooled))
+    assert values.dtype == jnp.float8_e4m3fn and scale.shape == (5,)
+    log2 = np.log2(np.asarray(scale))
+    np.testing.assert_array_equal(log2, np.round(log2))                    # powers of two
+    back = (np.asarray(values, np.float32) * np.asarray(scale)[:, None]) @ h.T      # un-rotate
+    for row in range(1, 5):                                                  # e4m3: 3 mantissa bits
+        assert np.max(np.abs(back[row] - pooled[row])) <= 0.07 * np.max(np.abs(pooled[row])) + 1e-6
+
+
+def test_fp8_index_cache_is_33_bytes_per_token_at_flash_shapes():
+    from kk_jax.cache.pools import PagedSpec, bytes_per_page
+    from kk_jax.config import Glm5NextConfig
+    from kk_jax.models.glm5_next import Glm5NextForConditionalGeneration
+
+    flash = Glm5NextConfig(vocab_size=154880, hidden_size=4096, num_hidden_layers=4,
+                           layer_types=("linear_attention",) * 3 + ("deepseek_sparse_attention",),
+                           mlp_layer_types=("dense",) * 4, intermediate_size=12288, moe_intermediate_size=2048,
+                           n_routed_experts=288, num_experts_per_tok=8, n_shared_experts=1, routed_scaling_factor=2.5,
+                           norm_topk_prob=True, swiglu_limit=10.0, num_attention_heads=64, q_lora_rank=1536,
+                           kv_lora_rank=512, qk_nope_head_dim=256, v_head_dim=256, index_n_heads=32,
+                           index_head_dim=128, index_topk=2048, index_kpool=4, index_kpool_always_select_tail=True,
+                           linear_num_heads=64, linear_head_dim=128, linear_conv_kernel_dim=4, linear_lower_bound=-5.0,
+                           hc_mult=4, hc_eps=1e-6, hc_sinkhorn_iters=20, rms_norm_eps=1e-5,
+                           max_position_embeddings=1 << 20)
+    layout = Glm5NextForConditionalGeneration.cache_layout(flash, jnp.float8_e4m3fn)
+    index = {n: s for n, s in layout.items() if "index_k" in n}
+    assert set(index) == {"layers.3.index_k", "layers.3.index_k_scale"}
+    assert all(isinstance(s, PagedSpec) for s in index.values())
+    assert bytes_per_page(index, 256) == 33 * 256
+    assert bytes_per_page({"l": layout["layers.3.latent"]}, 256) == 512 * 256      # fp8 latent: 1 byte/value

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda import (chunk_kda, kda_commit, kda_decode, kda_gate, kda_verify)
+from pallas_kernels.kda import chunk_kda, kda_commit, kda_decode, kda_gate, kda_verify
 from pallas_kernels.kda.oracle import kda_gate_oracle, kda_oracle, kda_steps_oracle
 
 LENS = (1, 15, 16, 63, 64, 65, 200)
@@ -122,7 +122,7 @@ def test_checkpoints_match_oracle():
   lens = (200, 63, 130)
   q, k, v, g, beta = make_inputs(t=sum(lens), kd=64, vd=64, seed=3)
   init = rand_state(3, 2, 64, 64)
-  o, fin, ck = chunk_kda(q, k, v, g, beta, initial_state=init, cu_seqlens=cu_of(lens),
+  _o, _fin, ck = chunk_kda(q, k, v, g, beta, initial_state=init, cu_seqlens=cu_of(lens),
                          output_final_state=True, checkpoint_every=64, backend="xla")
   _, _, cc = kda_oracle(q, k, v, g, beta, initial_state=init, cu_seqlens=cu_of(lens),
                         checkpoint_every=64, dtype=np.float64)

@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_kda import LENS, cu_of, make_inputs, rand_state, rel_err
 
 from pallas_kernels.kda import chunk_kda, kda_commit, kda_decode, kda_verify
 from pallas_kernels.kda.oracle import kda_oracle, kda_steps_oracle
-from test_kda import LENS, cu_of, make_inputs, rand_state, rel_err
 
 PREFILL_TOL = 2e-2
 
@@ -42,8 +42,8 @@ def _interpret():
 def test_chunk_kernel_varlen_matches_reference_and_oracle(kd, with_init, dtype):
   q, k, v, g, beta = make_inputs(t=sum(LENS), h=2, kd=kd, vd=kd, seed=kd, dtype=dtype)
   init = rand_state(len(LENS), 2, kd, kd) if with_init else None
-  kw = dict(initial_state=init, cu_seqlens=cu_of(LENS), output_final_state=True,
-            use_qk_l2norm=True, checkpoint_every=64)
+  kw = {"initial_state": init, "cu_seqlens": cu_of(LENS), "output_final_state": True,
+            "use_qk_l2norm": True, "checkpoint_every": 64}
   o, fin, ck = chunk_kda(q, k, v, g, beta, backend="pallas", interpret=_interpret(), **kw)
   o_x, fin_x, ck_x = chunk_kda(q, k, v, g, beta, backend="xla", **kw)
   oo, ff, cc = kda_oracle(q, k, v, g, beta, initial_state=init, cu_seqlens=cu_of(LENS),
@@ -166,8 +166,8 @@ def test_gpu_compiled_prefill_matches_reference(kd):
   q, k, v, g, beta = make_inputs(t=sum(lens), h=4, kd=kd, vd=kd, seed=kd,
                                  dtype=jnp.bfloat16)
   init = rand_state(len(lens), 4, kd, kd)
-  kw = dict(initial_state=init, cu_seqlens=cu_of(lens), output_final_state=True,
-            use_qk_l2norm=True)
+  kw = {"initial_state": init, "cu_seqlens": cu_of(lens), "output_final_state": True,
+            "use_qk_l2norm": True}
   o, fin = jax.jit(lambda *a: chunk_kda(*a, backend="pallas", **kw))(q, k, v, g, beta)
   o_x, fin_x = jax.jit(lambda *a: chunk_kda(*a, backend="xla", **kw))(q, k, v, g, beta)
   assert rel_err(o, o_x) < PREFILL_TOL and rel_err(fin, fin_x) < PREFILL_TOL

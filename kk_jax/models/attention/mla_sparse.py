@@ -34,17 +34,18 @@ class SparseMLA(nnx.Module):
         self.o_proj = Linear(h * self.vd, d, dtype, axes=("embed", "heads"))
         self.indexer = PooledIndexer(cfg, dtype)
 
-    def __call__(self, x, latent_pool, index_pool, tail_pool, batch):
-        """x [B, T, D] -> (out [B, T, D], latent_pool, index_pool, tail_pool)."""
+    def __call__(self, x, latent_pool, index, tail_pool, batch):
+        """x [B, T, D]; index = (pooled keys, fp8 scales or None) -> (out [B, T, D], latent_pool,
+        index, tail_pool)."""
         b, t, _ = x.shape
         h, nope, vd, kl = self.h, self.nope, self.vd, self.kl
         qr = self.q_a_layernorm(self.q_a_proj(x))                                            # [B, T, ql]
         q = self.q_b_proj(qr).reshape(b, t, h, nope)
         c = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))                                  # [B, T, kl]
         latent_pool = write_pages(latent_pool, c, batch.positions, batch.valid, batch.page_table)
-        index_pool, tail_pool = self.indexer.update_pools(x, index_pool, tail_pool, batch.slots, batch.positions,
-                                                          batch.valid, batch.page_table)
-        mask = self.indexer.select(x, qr, index_pool, batch.positions, batch.page_table)      # [B, T, S]
+        index, tail_pool = self.indexer.update_pools(x, index, tail_pool, batch.slots, batch.positions,
+                                                     batch.valid, batch.page_table)
+        mask = self.indexer.select(x, qr, index, batch.positions, batch.page_table)          # [B, T, S]
         lat = latent_pool[batch.page_table].reshape(b, -1, kl)                               # [B, S, kl]
         wkv = self.kv_b_proj.weight[...].reshape(h, nope + vd, kl)
         q_abs = jnp.einsum("bthn,hnc->bthc", q.astype(jnp.float32), wkv[:, :nope].astype(jnp.float32),
@@ -56,4 +57,4 @@ class SparseMLA(nnx.Module):
         o_lat = jnp.einsum("bhts,bsc->bthc", p, lat.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
         o = jnp.einsum("bthc,hvc->bthv", o_lat, wkv[:, nope:].astype(jnp.float32),
                        precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
-        return self.o_proj(o.reshape(b, t, h * vd)), latent_pool, index_pool, tail_pool
+        return self.o_proj(o.reshape(b, t, h * vd)), latent_pool, index, tail_pool

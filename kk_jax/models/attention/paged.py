@@ -50,6 +50,8 @@ def write_pages(pages, x, positions, valid, page_table):
     page_size = pages.shape[1]
     page = jnp.take_along_axis(page_table, positions // page_size, axis=1)   # [B, T]
     page = jnp.where(valid, page, 0)
+    if pages.dtype == jnp.float8_e4m3fn:           # saturate: e4m3fn has no infinity
+        x = jnp.clip(x.astype(jnp.float32), -448.0, 448.0)
     return pages.at[page, positions % page_size].set(x.astype(pages.dtype))
 
 

@@ -10,17 +10,44 @@ With no more complete pools than that, selection is exactly dense causal attenti
 Cache: pooled keys live in pages (``kpool`` tokens per entry) next to the latent pages; the
 raw keys and gate scores of a sequence's incomplete pool live in its slot
 (``tail [2 (key | gate), kpool, d]`` fp32) and carry across chunks and decode steps.
+
+With an fp8 cache the pooled keys are stored in the serving layout of the reference: rotated
+by the orthonormal ``d``-point Walsh–Hadamard transform, then e4m3 with one power-of-two scale
+per pool (``2^ceil(log2(absmax / 448))``, absmax floored at 1e-4) — ``d + 4`` bytes per pool,
+33 bytes per token at d = 128. Queries are rotated by the same matrix, so q·k is unchanged
+up to the key quantization.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from kk_jax.models.layers.linear import Linear
 
 _NEG = -jnp.inf
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def hadamard(d: int) -> np.ndarray:
+    """Orthonormal Sylvester Walsh–Hadamard matrix [d, d] (d a power of two); symmetric."""
+    if d & (d - 1):
+        raise ValueError(f"the fp8 index cache needs a power-of-two index_head_dim, got {d}")
+    h = np.ones((1, 1))
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(d)
+
+
+def quantize_keys(pooled: jax.Array):
+    """Rotated pooled keys -> (e4m3 values [..., d], power-of-two scales [...] f32)."""
+    rot = pooled @ jnp.asarray(hadamard(pooled.shape[-1]), jnp.float32)
+    amax = jnp.maximum(jnp.max(jnp.abs(rot), axis=-1), 1e-4)
+    scale = jnp.exp2(jnp.ceil(jnp.log2(amax / FP8_MAX)))
+    return (rot / scale[..., None]).astype(FP8), scale
 
 
 class LayerNorm(nnx.Module):
@@ -50,9 +77,10 @@ class PooledIndexer(nnx.Module):
         self.index_kpool_compress_ape = nnx.Param(jnp.zeros((self.kpool, idim), dtype), axes=(None, None))
         self.index_kpool_compress_gate = nnx.Param(jnp.zeros((idim, d), dtype), axes=(None, "embed"))
 
-    def update_pools(self, x, index_pool, tail_pool, slots, positions, valid, page_table):
-        """Pools every key group this chunk completes into ``index_pool [P, page/kpool, d]`` and
-        carries the new incomplete group in ``tail_pool [S, 2, kpool, d]``.
+    def update_pools(self, x, index, tail_pool, slots, positions, valid, page_table):
+        """Pools every key group this chunk completes into ``index = (keys [P, page/kpool, d],
+        scales [P, page/kpool] or None)`` and carries the new incomplete group in
+        ``tail_pool [S, 2, kpool, d]``.
 
         x [B, T, D] (normed hidden); positions [B, T] (a row's tokens are consecutive from
         positions[:, 0]); valid [B, T] a prefix of each row."""
@@ -83,10 +111,17 @@ class PooledIndexer(nnx.Module):
         q = jnp.arange(groups)
         complete = (q[None] + 1) * kp <= (r + n)[:, None]                                    # [B, G]
         pool_id = (start - r)[:, None] // kp + q[None]                                       # absolute pool index
-        per_page = index_pool.shape[1]
+        keys, scales = index
+        per_page = keys.shape[1]
         page = jnp.take_along_axis(page_table, jnp.clip(pool_id // per_page, 0, page_table.shape[1] - 1), axis=1)
         page = jnp.where(complete, page, 0)
-        index_pool = index_pool.at[page, pool_id % per_page].set(pooled.astype(index_pool.dtype))
+        slot = pool_id % per_page
+        if scales is None:
+            keys = keys.at[page, slot].set(pooled.astype(keys.dtype))
+        else:
+            values, scale = quantize_keys(pooled)
+            keys = keys.at[page, slot].set(values)
+            scales = scales.at[page, slot].set(scale)
         # the new open group: ext[last*kp : last*kp + m] with m = (r + n) % kp
         last = (r + n) // kp
         s = jnp.arange(kp)
@@ -95,15 +130,19 @@ class PooledIndexer(nnx.Module):
         new_tail = jnp.stack([jnp.where(keep, jnp.take_along_axis(ext_k, gather, axis=1), 0.0),
                               jnp.where(keep, jnp.take_along_axis(ext_g, gather, axis=1), 0.0)], axis=1)
         tail_pool = tail_pool.at[slots].set(new_tail.astype(tail_pool.dtype))
-        return index_pool, tail_pool
+        return (keys, scales), tail_pool
 
-    def select(self, x, qr, index_pool, positions, page_table):
+    def select(self, x, qr, index, positions, page_table):
         """Token mask [B, T, S] (S = the page table's token span) of what each query attends."""
         b, t, _ = x.shape
         kp, ih, d = self.kpool, self.heads, self.dim
         iq = self.wq_b(qr).reshape(b, t, ih, d).astype(jnp.float32)
         w = self.weights_proj(x).astype(jnp.float32) * ih ** -0.5                           # [B, T, ih]
-        keys = index_pool[page_table].reshape(b, -1, d).astype(jnp.float32)                  # [B, NP, d]
+        keys, scales = index
+        keys = keys[page_table].reshape(b, -1, d).astype(jnp.float32)                        # [B, NP, d]
+        if scales is not None:                       # fp8 serving layout: rotate q like the keys
+            keys = keys * scales[page_table].reshape(b, -1, 1)
+            iq = iq @ jnp.asarray(hadamard(d), jnp.float32)
         n_pools = keys.shape[1]
         dots = jnp.einsum("bthd,bpd->bthp", iq, keys, precision=jax.lax.Precision.HIGHEST) * d ** -0.5
         scores = jnp.einsum("bth,bthp->btp", w, jax.nn.relu(dots), precision=jax.lax.Precision.HIGHEST)
