@@ -34,9 +34,12 @@ Recurrence (per sequence and value head, fp32 state S [K,V]):
     S <- Diag(exp(g_t)) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
 with q, k optionally l2-normalised (eps 1e-6) and q scaled by `scale` (default K^-1/2).
 
-Backends: "xla" is the pure-jnp chunked reference (`reference.py`, fp32, any K/V);
-"pallas" runs the Mosaic GPU kernels (`kernel.py`, Hopper; K = V in {64, 128}) and raises
-ValueError for shapes they do not support. The backend is chosen once per server, never per
+Backends: "xla" is the pure-jnp chunked reference (`reference.py`, fp32, any K/V, any
+g <= 0); "pallas" runs the Mosaic GPU kernels (`kernel.py`, Hopper; K = V in {64, 128}) and
+raises ValueError for shapes they do not support. Pallas decode / verify are fp32 like the
+reference (agreement ~1e-7); Pallas prefill uses bf16 tensor-core operands with fp32
+accumulation and fp32 state, like fla (agreement ~5e-3 relative), and assumes the safe gate
+(per-token g >= -5, GLM-5.3's gate; see kernel.py for the exact bound). The backend is chosen once per server, never per
 call, so numerics are stable for the server's lifetime. `interpret=True` runs the Pallas
 kernels in Mosaic GPU interpret mode (CPU tests). Arguments are validated before any device
 work; values of cu_seqlens / slots are checked only when concrete (not traced).
@@ -47,8 +50,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ._common import KDACheckpoints, check_chunk_args, check_step_args
-from .reference import (CHUNK, chunk_kda_reference, kda_decode_reference, kda_gate_reference,
-                        kda_verify_reference)
+from .reference import (
+  CHUNK,
+  chunk_kda_reference,
+  kda_decode_reference,
+  kda_gate_reference,
+  kda_verify_reference,
+)
 
 BACKENDS = ("pallas", "xla")
 
@@ -121,7 +129,7 @@ def kda_commit(state_pool, slots, states, num_accepted):
   return state_pool.at[slots].set(new)
 
 
-def kda_gate(f, A_log, dt_bias, lower_bound=-5.0, *, backend="pallas"):  # noqa: N803
+def kda_gate(f, A_log, dt_bias, lower_bound=-5.0, *, backend="pallas"):
   """KDA decay gate (fp32 log space). f [..., HV, K]; A_log [HV]; dt_bias [HV*K] or [HV, K].
 
   lower_bound (GLM-5.3: -5.0): g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias));
@@ -142,5 +150,13 @@ def kda_gate(f, A_log, dt_bias, lower_bound=-5.0, *, backend="pallas"):  # noqa:
   return kda_gate_reference(f, A_log, dt_bias, lower_bound)
 
 
-__all__ = ["chunk_kda", "kda_decode", "kda_verify", "kda_commit", "kda_gate",
-           "KDACheckpoints", "BACKENDS", "CHUNK"]
+__all__ = [
+  "BACKENDS",
+  "CHUNK",
+  "KDACheckpoints",
+  "chunk_kda",
+  "kda_commit",
+  "kda_decode",
+  "kda_gate",
+  "kda_verify",
+]

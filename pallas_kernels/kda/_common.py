@@ -86,11 +86,11 @@ def check_chunk_args(q, k, v, g, beta, initial_state, cu_seqlens, checkpoint_eve
   if initial_state is not None and initial_state.shape != (n, hv, kd, vd):
     raise ValueError(f"initial_state must be [N, HV, K, V] = {(n, hv, kd, vd)}, "
                      f"got {initial_state.shape}")
-  if checkpoint_every is not None:
-    if (not isinstance(checkpoint_every, (int, np.integer)) or checkpoint_every <= 0
-        or checkpoint_every % chunk_size):
-      raise ValueError(f"checkpoint_every must be a positive multiple of {chunk_size}, "
-                       f"got {checkpoint_every!r}")
+  if checkpoint_every is not None and (
+      not isinstance(checkpoint_every, (int, np.integer)) or checkpoint_every <= 0
+      or checkpoint_every % chunk_size):
+    raise ValueError(f"checkpoint_every must be a positive multiple of {chunk_size}, "
+                     f"got {checkpoint_every!r}")
   return b, t, h, hv, kd, vd, n
 
 

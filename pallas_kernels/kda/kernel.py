@@ -13,20 +13,26 @@ donates the pool) or after every token into `states` (verify). State traffic is 
 read and one write of the state per call (decode) -- the roofline for this op.
 
 Chunked prefill (`chunk_kda_pallas`), fla's stage split with stages 3 and 4 fused:
-  1-2. `_intra` (jnp, runs under XLA, parallel over all chunks and heads): chunk-local
-       cumsum Gamma, A_qk / A_kk with the 16-token sub-chunk reference trick
-       (exp(Gamma_i - r) * exp(r - Gamma_j), r = Gamma at the first token of row i's
-       sub-chunk), the unit-lower-triangular solve for w = T (exp(Gamma) k), u = T v.
+  0.   XLA input prep: l2norm + scale of q/k and GVA expansion (one fused elementwise
+       pass, bf16 out), chunk-local cumsum Gamma of g (a [C,C] lower-triangular matmul at
+       HIGHEST precision), and for varlen the gather into sequence-aligned 64-token chunks.
+  1-2. `_intra_call` (Mosaic GPU, one CTA per (head, chunk), all chunks in parallel):
+       A_qk / A_kk with the 16-token sub-chunk reference trick (exp(Gamma_i - r) *
+       exp(r - Gamma_j), r = Gamma at the first token of row i's sub-chunk; 4 passes of 2
+       wgmmas), T = (I + A_kk)^-1 Diag(beta) by nilpotent doubling
+       (I - N)(I + N^2)...(I + N^32) with every product in 3 bf16 passes (hi*hi + hi*lo +
+       lo*hi), w = T (exp(Gamma) k) and u = T v likewise. `_intra` is the same stage in jnp
+       (`intra="xla"`), kept as a fallback; it was 3.6x slower than fla end to end.
   3-4. `_scan_call` (Mosaic GPU): grid (V tiles, HV, N sequences); each CTA walks its
-       sequence's chunks in order with the fp32 state S [K, Vt] held as a wgmma
-       accumulator and, per chunk, runs 4 wgmmas:
+       sequence's chunks in order with the fp32 state S [K, Vt] held in registers and, per
+       chunk, runs 4 wgmmas:
          W S, Qg S (both [C,K] @ [K,Vt], S copied to SMEM as bf16),
          O = Qg S + A_qk v_new ([C,C] @ [C,Vt]),   v_new = u - W S,
          S = exp(Gamma_last) * S + Kg^T v_new      ([K,C] @ [C,Vt], transposed SMEM operand).
        The next chunk's operands are TMA-prefetched into a second buffer while the current
        one computes. Final states and checkpoints are TMA-stored from the registers.
-Matmul operands are bf16 with fp32 accumulation (as fla); the state, u, decays and all
-elementwise math stay fp32.
+Matmul operands of the scan are bf16 with fp32 accumulation (as fla); the state, u, decays
+and all elementwise math stay fp32.
 
 Numerical precondition of the prefill kernel: the sub-chunk trick multiplies by
 exp(r - Gamma_j) <= exp(-15 * min g) inside a 16-token sub-chunk, which stays finite for
@@ -36,12 +42,8 @@ than about -5.6 per token can lose accuracy there (use backend="xla" for such ga
 
 from __future__ import annotations
 
-import functools
-import math
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -77,7 +79,7 @@ def _swizzled(dtype, cols):
 
 
 def _v_tile(vd):
-  return 64 if vd >= 64 else vd
+  return min(64, vd)
 
 
 # ------------------------------------------------------------------ decode / verify
@@ -143,14 +145,14 @@ def _step_call(q, k, v, g, beta, pool, slots, reset, *, write_states, interpret)
   out_type = [jax.ShapeDtypeStruct((n, ts, hv, vd), f32)]
   if write_states:
     out_type.append(jax.ShapeDtypeStruct((n, ts, hv, kd, vd), f32))
-  scratch = dict(
-      s_smem=plgpu.SMEM((kd, vt), f32),
-      q_smem=plgpu.SMEM((ts, kd), f32),
-      k_smem=plgpu.SMEM((ts, kd), f32),
-      g_smem=plgpu.SMEM((ts, kd), f32),
-      v_smem=plgpu.SMEM((ts, vt), f32),
-      bar=plgpu.Barrier(num_arrivals=5, num_barriers=1),
-  )
+  scratch = {
+      "s_smem": plgpu.SMEM((kd, vt), f32),
+      "q_smem": plgpu.SMEM((ts, kd), f32),
+      "k_smem": plgpu.SMEM((ts, kd), f32),
+      "g_smem": plgpu.SMEM((ts, kd), f32),
+      "v_smem": plgpu.SMEM((ts, vt), f32),
+      "bar": plgpu.Barrier(num_arrivals=5, num_barriers=1),
+  }
   call = plgpu.kernel(
       body, out_type=tuple(out_type), scratch_types=scratch,
       grid=(vd // vt, hv, n), grid_names=("vt", "h", "n"),
@@ -211,7 +213,7 @@ def _intra(q, k, v, g, beta):
   """
   nc, c, hv, kd = q.shape
   ns = c // _SUB
-  tr = lambda x: jnp.swapaxes(x, 1, 2)                            # noqa: E731  [NC,HV,C,.]
+  tr = lambda x: jnp.swapaxes(x, 1, 2)
   q, k, v, g = tr(q), tr(k), tr(v), tr(g)
   beta = jnp.swapaxes(beta, 1, 2)                                 # [NC,HV,C]
   gam = jnp.cumsum(g, axis=2)
@@ -238,6 +240,194 @@ def _intra(q, k, v, g, beta):
   bf = jnp.bfloat16
   return (w.astype(bf), (q * eg).astype(bf), kg.astype(bf), u, a_qk.astype(bf),
           jnp.exp(glast))
+
+
+def _split(x):
+  """x (fp32) = hi + lo + O(2^-16 |x|) with hi, lo bf16: the operands of a 3-pass product."""
+  hi = x.astype(jnp.bfloat16)
+  return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
+  """Stages 1-2 on the tensor cores (Mosaic GPU), one CTA per (head, chunk).
+
+  qn, kn [NC,C,HV,K] bf16 (l2-normalised, q scaled, GVA-expanded); v [NC,C,HV,V] bf16 or
+  f32; gam [NC,C,HV,K] f32 chunk-local cumsum of g; beta_t [NC,HV,C] f32. Returns the same
+  operands as `_intra`. Per CTA:
+    A_qk, A_kk: 4 sub-chunk reference passes, each 2 wgmmas [C,K] @ [K,C] with operands
+      q exp(G - r_row), k exp(G - r_row) and k exp(min(r_a - G, 85)) (bf16), keeping the
+      rows of sub-chunk a;
+    T = (I + A_kk)^-1 by doubling, (I - N)(I + N^2)(I + N^4)...(I + N^32), N nilpotent,
+      every product in 3 bf16 passes (hi*hi + hi*lo + lo*hi, ~16-bit mantissa);
+    w = T (beta exp(G) k), u = T (beta v) in 3 bf16 passes.
+  """
+  nct, c, hv, kd = qn.shape
+  vd = v.shape[-1]
+  f32, bf = jnp.float32, jnp.bfloat16
+  ns = c // _SUB
+  ref_rows = tuple(range(0, c, _SUB)) + (c - 1,)
+
+  def body(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, qg_ref, kg_ref, u_ref, a_ref, gl_ref, *,
+           q_s, k_s, v_s, g_s, gr_s, b_s, t1, t2, t3, m1, m2, m3, m4, m5, m6, gl_s, bar):
+    h = lax.axis_index("h")
+    ch = lax.axis_index("c")
+    plgpu.copy_gmem_to_smem(q_ref.at[ch, :, h, :], q_s, bar.at[0])
+    plgpu.copy_gmem_to_smem(k_ref.at[ch, :, h, :], k_s, bar.at[0])
+    plgpu.copy_gmem_to_smem(v_ref.at[ch, :, h, :], v_s, bar.at[0])
+    plgpu.copy_gmem_to_smem(g_ref.at[ch, :, h, :], g_s, bar.at[0])
+    plgpu.copy_gmem_to_smem(b_ref.at[ch, h], b_s, bar.at[0])
+    # Gamma rows used as per-column vectors (sub-chunk references, last row) live in their
+    # own buffer: Mosaic GPU cannot load one SMEM ref both as a tile and as single rows.
+    for i, row in enumerate(ref_rows):
+      plgpu.copy_gmem_to_smem(g_ref.at[ch, pl.ds(row, 1), h, :], gr_s.at[pl.ds(i, 1)],
+                              bar.at[0])
+    plgpu.barrier_wait(bar.at[0])
+
+    def mm(a_op, b_op, n_out):
+      def run(acc_ref):
+        plgpu.wgmma(acc_ref, a_op, b_op)
+        plgpu.wgmma_wait(0)
+        return acc_ref[...]
+      return pl.run_scoped(run, plgpu.ACC((c, n_out), f32))
+
+    def mm3(x_hi, x_lo, y_hi, y_lo, n_out):
+      return mm(x_hi, y_hi, n_out) + mm(x_hi, y_lo, n_out) + mm(x_lo, y_hi, n_out)
+
+    def ref_vec(row):
+      i = ref_rows.index(row)
+      return plgpu.load(gr_s.at[i], layout=_L.WGMMA.reduce(0))    # [K], one per column
+
+    rows_k = plgpu.broadcasted_iota(jnp.int32, (c, kd), 0, layout=_L.WGMMA)
+    rows_c = plgpu.broadcasted_iota(jnp.int32, (c, c), 0, layout=_L.WGMMA)
+    cols_c = plgpu.broadcasted_iota(jnp.int32, (c, c), 1, layout=_L.WGMMA)
+    # q, k rescaled by exp(G - r_row), r_row = G at the first token of the row's sub-chunk
+    gam = plgpu.load(g_s, layout=_L.WGMMA)
+    rref = jnp.zeros((c, kd), f32)
+    for a in range(ns):
+      in_a = (rows_k >= a * _SUB) & (rows_k < (a + 1) * _SUB)
+      rref = jnp.where(in_a, lax.broadcast_in_dim(ref_vec(a * _SUB), (c, kd), [1]), rref)
+    rowexp = jnp.exp(gam - rref)
+    t1[...] = (plgpu.load(q_s, layout=_L.WGMMA).astype(f32) * rowexp).astype(bf)
+    t2[...] = (plgpu.load(k_s, layout=_L.WGMMA).astype(f32) * rowexp).astype(bf)
+    a_qk = jnp.zeros((c, c), f32)
+    a_kk = jnp.zeros((c, c), f32)
+    for a in range(ns):
+      gam = plgpu.load(g_s, layout=_L.WGMMA)
+      kf = plgpu.load(k_s, layout=_L.WGMMA).astype(f32)
+      expo = jnp.minimum(lax.broadcast_in_dim(ref_vec(a * _SUB), (c, kd), [1]) - gam,
+                         _EXP_CLAMP)
+      # keys after sub-chunk a never meet its rows (causal); zero them so no exp(85)-sized
+      # products (inf after the 64-term sum) appear even in discarded entries
+      t3[...] = jnp.where(rows_k < (a + 1) * _SUB, kf * jnp.exp(expo), 0.0).astype(bf)
+      plgpu.commit_smem()
+      keys = t3.transpose((1, 0))
+      mine = (rows_c >= a * _SUB) & (rows_c < (a + 1) * _SUB)
+      a_qk = jnp.where(mine, mm(t1, keys, c), a_qk)
+      a_kk = jnp.where(mine, mm(t2, keys, c), a_kk)
+    a_qk = jnp.where(cols_c <= rows_c, a_qk, 0.0)
+    m1[...] = a_qk.astype(bf)
+    beta_r = lax.broadcast_in_dim(plgpu.load(b_s, layout=_L.WGMMA.reduce(1)), (c, c), [0])
+    nmat = jnp.where(cols_c < rows_c, a_kk, 0.0) * beta_r           # strictly lower
+    # stage outputs that need only G, q, k: qg, kg, gl
+    gam = plgpu.load(g_s, layout=_L.WGMMA)
+    glast = ref_vec(c - 1)
+    t1[...] = (plgpu.load(q_s, layout=_L.WGMMA).astype(f32) * jnp.exp(gam)).astype(bf)
+    t2[...] = (plgpu.load(k_s, layout=_L.WGMMA).astype(f32)
+               * jnp.exp(lax.broadcast_in_dim(glast, (c, kd), [1]) - gam)).astype(bf)
+    gl_s[...] = jnp.exp(glast)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(m1, a_ref.at[ch, h])
+    plgpu.copy_smem_to_gmem(t1, qg_ref.at[ch, h])
+    plgpu.copy_smem_to_gmem(t2, kg_ref.at[ch, h])
+    plgpu.copy_smem_to_gmem(gl_s, gl_ref.at[ch, h])
+    # T = (I + N)^-1 = (I - N) prod_m (I + N^(2^m)); m1/m2 hold P (hi/lo), m3/m4 M as the B
+    # operand and m5/m6 the same M as the A operand (one ref cannot be both of a wgmma)
+    eye = jnp.where(cols_c == rows_c, 1.0, 0.0).astype(f32)
+    pmat = eye - nmat
+    mmat = nmat
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)                # m1, t1, t2 free again
+    def store_m(mmat):
+      y_hi, y_lo = _split(mmat)
+      m3[...] = y_hi
+      m4[...] = y_lo
+      m5[...] = y_hi
+      m6[...] = y_lo
+
+    store_m(mmat)
+    for _ in range(5):
+      plgpu.commit_smem()
+      mmat = mm3(m5, m6, m3, m4, c)                                  # M <- M @ M
+      store_m(mmat)
+      x_hi, x_lo = _split(pmat)
+      m1[...] = x_hi
+      m2[...] = x_lo
+      plgpu.commit_smem()
+      pmat = pmat + mm3(m1, m2, m3, m4, c)                           # P <- P (I + M)
+    x_hi, x_lo = _split(pmat)
+    m1[...] = x_hi
+    m2[...] = x_lo
+    beta_k = lax.broadcast_in_dim(plgpu.load(b_s, layout=_L.WGMMA.reduce(1)), (c, kd), [0])
+    gam = plgpu.load(g_s, layout=_L.WGMMA)
+    r_hi, r_lo = _split(beta_k * jnp.exp(gam) * plgpu.load(k_s, layout=_L.WGMMA).astype(f32))
+    t1[...] = r_hi
+    t2[...] = r_lo
+    plgpu.commit_smem()
+    w = mm3(m1, m2, t1, t2, kd)                                      # w = T exp(G) k
+    t3[...] = w.astype(bf)
+    beta_v = lax.broadcast_in_dim(plgpu.load(b_s, layout=_L.WGMMA.reduce(1)), (c, vd), [0])
+    r_hi, r_lo = _split(beta_v * plgpu.load(v_s, layout=_L.WGMMA).astype(f32))
+    t1[...] = r_hi
+    t2[...] = r_lo
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(t3, w_ref.at[ch, h])
+    u = mm3(m1, m2, t1, t2, vd)                                      # u = T v
+    g_s[...] = u
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(g_s, u_ref.at[ch, h])
+    plgpu.wait_smem_to_gmem(0)
+
+  sw_k, sw_c = _swizzled(bf, kd), _swizzled(bf, c)
+  scratch = {
+      "q_s": plgpu.SMEM((c, kd), bf),
+      "k_s": plgpu.SMEM((c, kd), bf),
+      "v_s": plgpu.SMEM((c, vd), v.dtype),
+      "g_s": plgpu.SMEM((c, kd), f32),
+      "gr_s": plgpu.SMEM((8, kd), f32),
+      "b_s": plgpu.SMEM((c,), f32),
+      "t1": plgpu.SMEM((c, kd), bf, transforms=sw_k),
+      "t2": plgpu.SMEM((c, kd), bf, transforms=sw_k),
+      "t3": plgpu.SMEM((c, kd), bf, transforms=sw_k),
+      "m1": plgpu.SMEM((c, c), bf, transforms=sw_c),
+      "m2": plgpu.SMEM((c, c), bf, transforms=sw_c),
+      "m3": plgpu.SMEM((c, c), bf, transforms=sw_c),
+      "m4": plgpu.SMEM((c, c), bf, transforms=sw_c),
+      "m5": plgpu.SMEM((c, c), bf, transforms=sw_c),
+      "m6": plgpu.SMEM((c, c), bf, transforms=sw_c),
+      "gl_s": plgpu.SMEM((kd,), f32),
+      "bar": plgpu.Barrier(num_arrivals=5 + len(ref_rows), num_barriers=1),
+  }
+  out_type = (jax.ShapeDtypeStruct((nct, hv, c, kd), bf),     # w
+              jax.ShapeDtypeStruct((nct, hv, c, kd), bf),     # qg
+              jax.ShapeDtypeStruct((nct, hv, c, kd), bf),     # kg
+              jax.ShapeDtypeStruct((nct, hv, c, vd), f32),    # u
+              jax.ShapeDtypeStruct((nct, hv, c, c), bf),      # a_qk
+              jax.ShapeDtypeStruct((nct, hv, kd), f32))       # exp(G_last)
+  call = plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch,
+      grid=(hv, nct), grid_names=("h", "c"),
+      compiler_params=plgpu.CompilerParams(approx_math=False),
+      **_interpret_kwargs(interpret))
+  return call(qn, kn, v, gam, beta_t)
+
+
+def _intra_pallas(q, k, v, g, beta, *, interpret):
+  """Chunk-layout fp32 inputs (as `_intra`) -> `_intra_call` operands and outputs."""
+  c = q.shape[1]
+  tri = jnp.tril(jnp.ones((c, c), jnp.float32))
+  gam = jnp.einsum("ij,njhk->nihk", tri, g, precision=lax.Precision.HIGHEST)
+  vv = v.astype(jnp.bfloat16) if v.dtype == jnp.bfloat16 else v
+  return _intra_call(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), vv, gam,
+                     jnp.swapaxes(beta, 1, 2), interpret=interpret)
 
 
 def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, every,
@@ -351,20 +541,20 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
     plgpu.wait_smem_to_gmem(0)
 
   sw_k, sw_c, sw_v = _swizzled(bf, kd), _swizzled(bf, c), _swizzled(bf, vt)
-  scratch = dict(
-      w_smem=plgpu.SMEM((2, c, kd), bf, transforms=sw_k),
-      qg_smem=plgpu.SMEM((2, c, kd), bf, transforms=sw_k),
-      kg_smem=plgpu.SMEM((2, c, kd), bf, transforms=sw_k),
-      a_smem=plgpu.SMEM((2, c, c), bf, transforms=sw_c),
-      u_smem=plgpu.SMEM((2, c, vt), f32),
-      gl_smem=plgpu.SMEM((2, kd), f32),
-      s_smem=plgpu.SMEM((kd, vt), bf, transforms=sw_v),
-      vn_smem=plgpu.SMEM((c, vt), bf, transforms=sw_v),
-      o_smem=plgpu.SMEM((c, vt), out_dtype),
-      sf_smem=plgpu.SMEM((kd, vt), f32),
-      bar=plgpu.Barrier(num_arrivals=6, num_barriers=2),
-      ibar=plgpu.Barrier(num_arrivals=1, num_barriers=1),
-  )
+  scratch = {
+      "w_smem": plgpu.SMEM((2, c, kd), bf, transforms=sw_k),
+      "qg_smem": plgpu.SMEM((2, c, kd), bf, transforms=sw_k),
+      "kg_smem": plgpu.SMEM((2, c, kd), bf, transforms=sw_k),
+      "a_smem": plgpu.SMEM((2, c, c), bf, transforms=sw_c),
+      "u_smem": plgpu.SMEM((2, c, vt), f32),
+      "gl_smem": plgpu.SMEM((2, kd), f32),
+      "s_smem": plgpu.SMEM((kd, vt), bf, transforms=sw_v),
+      "vn_smem": plgpu.SMEM((c, vt), bf, transforms=sw_v),
+      "o_smem": plgpu.SMEM((c, vt), out_dtype),
+      "sf_smem": plgpu.SMEM((kd, vt), f32),
+      "bar": plgpu.Barrier(num_arrivals=6, num_barriers=2),
+      "ibar": plgpu.Barrier(num_arrivals=1, num_barriers=1),
+  }
   out_type = [jax.ShapeDtypeStruct((nct, c, hv, vd), out_dtype),
               jax.ShapeDtypeStruct((n, hv, kd, vd), f32)]
   if every:
@@ -384,14 +574,21 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
 
 def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
                      output_final_state=False, use_qk_l2norm=False, checkpoint_every=None,
-                     interpret=False):
-  """Chunked prefill; arguments and returns as `chunk_kda` (validated there)."""
+                     interpret=False, intra="pallas"):
+  """Chunked prefill; arguments and returns as `chunk_kda` (validated there).
+
+  intra="pallas" runs stages 1-2 on the tensor cores (`_intra_call`); intra="xla" runs the
+  jnp version (`_intra`), kept for comparison and as a fallback.
+  """
+  if intra not in ("pallas", "xla"):
+    raise ValueError(f"intra must be 'pallas' or 'xla', got {intra!r}")
   check_kernel_dims(q.shape[-1], v.shape[-1])
-  b, t, _, kd = q.shape
+  b, t, _, _kd = q.shape
   hv, vd = v.shape[2], v.shape[3]
   c = CHUNK
   qf, kf = prepare_qk(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm, hv=hv)
-  vf, gf, bf = v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32)
+  vf = v if (v.dtype == jnp.bfloat16 and intra == "pallas") else v.astype(jnp.float32)
+  gf, bf = g.astype(jnp.float32), beta.astype(jnp.float32)
   every = checkpoint_every
   if cu_seqlens is None:
     n = b
@@ -410,7 +607,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     n = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.astype(jnp.int32)
     nct = t // c + n
-    seq, _, start, valid = _chunk_table(cu, nct, c)
+    _seq, _, start, valid = _chunk_table(cu, nct, c)
     tok = start[:, None] + jnp.arange(c)[None, :]
     ok = jnp.arange(c)[None, :] < valid[:, None]
     tok_c = jnp.clip(tok, 0, max(t - 1, 0))
@@ -423,7 +620,11 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     ncs = ((lens + c - 1) // c).astype(jnp.int32)
     cs = (jnp.cumsum(ncs) - ncs).astype(jnp.int32)
     out_idx = jnp.where(ok, tok, t).reshape(-1)
-  w, qg, kg, u, a, gl = _intra(*map(to_chunks, (qf, kf, vf, gf, bf)))
+  chunks = tuple(map(to_chunks, (qf, kf, vf, gf, bf)))
+  if intra == "pallas":
+    w, qg, kg, u, a, gl = _intra_pallas(*chunks, interpret=interpret)
+  else:
+    w, qg, kg, u, a, gl = _intra(*chunks)
   init = None if initial_state is None else initial_state.astype(jnp.float32)
   num_ckpt = 0
   ck_off = None

@@ -78,7 +78,7 @@ def kda_steps_oracle(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False
   Returns (o [N,Ts,HV,V], states [N,Ts,HV,K,V]) where states[:, i] follows token i.
   Used for decode (Ts = 1) and speculative verify.
   """
-  n, ts = q.shape[:2]
+  n, _ts = q.shape[:2]
   outs, states = [], []
   for r in range(n):
     init = np.asarray(state[r:r + 1])

@@ -168,7 +168,7 @@ def chunk_kda_reference(q, k, v, g, beta, *, scale=None, initial_state=None, cu_
             else initial_state.astype(jnp.float32))
     cu = jnp.array([0, t], jnp.int32)
     nck = t // every if every else 0
-    lane = lambda q_, k_, v_, g_, b_, i_: _lane(  # noqa: E731
+    lane = lambda q_, k_, v_, g_, b_, i_: _lane(
         q_, k_, v_, g_, b_, cu, i_[None], -(-t // CHUNK), every, nck)
     o, final, ckpt, _ = jax.vmap(lane)(qf, kf, vf, gf, bf, init)
     final = final[:, 0]
