@@ -232,6 +232,7 @@ class EngineConfig:
     kernel_backend: str = "auto"          # auto (pallas on GPU, xla elsewhere) | pallas | xla
     seed: int = 0
     compilation_cache_dir: str | None = None
+    load_mtp: bool = False                # also load the model's MTP (NextN) block, for speculative decoding
 
     def __post_init__(self):
         if self.max_model_len < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

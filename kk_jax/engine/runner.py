@@ -160,8 +160,11 @@ class ModelRunner:
         self.max_pages_per_seq = math.ceil(cfg.max_model_len / cfg.page_size)
         self.buckets = Buckets.make(cfg.max_num_seqs, cfg.max_num_batched_tokens)
 
+        if cfg.load_mtp and not getattr(model_cls, "has_mtp", False):
+            raise ValueError(f"{model_cls.__name__} has no MTP block; drop load_mtp")
+        extra = {"mtp": True} if cfg.load_mtp else {}        # MTP block: built, loaded and cached
         # quantized linears (block FP8 / MXFP8 / NVFP4) as the checkpoint declares them
-        abstract = nnx.eval_shape(lambda: prepare_linears(model_cls(model_cfg, dtype), model_dir,
+        abstract = nnx.eval_shape(lambda: prepare_linears(model_cls(model_cfg, dtype, **extra), model_dir,
                                                           backend=self.backend, mesh=mesh))
         self.graphdef, state = nnx.split(abstract)
         flat = nnx.to_flat_state(state)
@@ -169,7 +172,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         if random_weights_seed is None:
             params = load_params(model_dir, expected, dtype, mesh, progress=progress,
-                                 ignore=model_cls.ignored_tensors(model_cfg))
+                                 ignore=model_cls.ignored_tensors(model_cfg, **extra))
         else:
             params = random_params(expected, dtype, mesh, random_weights_seed)
         pure = {}
@@ -187,7 +190,7 @@ class ModelRunner:
         log.info("loaded %d tensors (%.1f MB) in %.2fs", len(expected), self.weight_bytes / 1e6,
                  time.perf_counter() - t0)
 
-        self.layout: CacheLayout = model_cls.cache_layout(model_cfg, kv_dtype(cfg.kv_cache_dtype, dtype))
+        self.layout: CacheLayout = model_cls.cache_layout(model_cfg, kv_dtype(cfg.kv_cache_dtype, dtype), **extra)
         self.num_pages = cfg.num_pages or self._pages_from_budget()
         if self.num_pages - 1 < self.max_pages_per_seq:
             raise ValueError(f"the KV cache holds {self.num_pages - 1} pages of {cfg.page_size} tokens, fewer than "

@@ -90,35 +90,82 @@ class Glm5DecoderLayer(nnx.Module):
         return mhc_post(x, y, post, comb), pools
 
 
-class Glm5TextModel(nnx.Module):
+class SharedHead(nnx.Module):
+    def __init__(self, d: int, eps: float, dtype):
+        self.norm = RMSNorm(d, eps, dtype)
+
+
+class Glm5MTP(nnx.Module):
+    """The MTP (NextN) block stored as layer ``num_hidden_layers`` (glm5-checkpoint.md): a
+    plain pre-norm residual block (no mHC) with its own DSA attention + indexer and MoE.
+
+    Row t embeds token t+1 and takes the trunk's final-normed hidden h_t:
+    ``x = eh_proj([enorm(emb); hnorm(h)])``, ``r = x + DSA(input_layernorm(x))``,
+    ``out = shared_head.norm(r + MoE(post_attention_layernorm(r)))``; logits = lm_head(out),
+    and ``out`` is the hidden recycled into the next draft step."""
+
     def __init__(self, cfg: Glm5NextConfig, dtype):
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.index = cfg.num_hidden_layers
+        self.eh_proj = Linear(2 * d, d, dtype, axes=(None, "embed"))
+        self.enorm = RMSNorm(d, eps, dtype)
+        self.hnorm = RMSNorm(d, eps, dtype)
+        self.input_layernorm = RMSNorm(d, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(d, eps, dtype)
+        self.self_attn = SparseMLA(cfg, dtype)
+        self.mlp = MoE(d, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.n_shared_experts,
+                       cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.norm_topk_prob, cfg.swiglu_limit, dtype)
+        self.shared_head = SharedHead(d, eps, dtype)
+
+    def __call__(self, emb, h, pools: dict, batch: AttentionBatch, ops: Glm5Ops):
+        """emb [B, T, D] (embeddings of the next tokens), h [B, T, D] -> (out [B, T, D], pools)."""
+        p = f"layers.{self.index}."
+        x = self.eh_proj(jnp.concatenate([self.enorm(emb), self.hnorm(h)], axis=-1))
+        index = (pools[p + "index_k"], pools.get(p + "index_k_scale"))
+        a, pools[p + "latent"], index, pools[p + "index_tail"] = self.self_attn(
+            self.input_layernorm(x), pools[p + "latent"], index, pools[p + "index_tail"], batch)
+        pools[p + "index_k"] = index[0]
+        if index[1] is not None:
+            pools[p + "index_k_scale"] = index[1]
+        r = x + a
+        return self.shared_head.norm(r + self.mlp(self.post_attention_layernorm(r), ops.mesh, ops.backend)), pools
+
+
+class Glm5TextModel(nnx.Module):
+    def __init__(self, cfg: Glm5NextConfig, dtype, mtp: bool):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nnx.List([Glm5DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers)])
+        layers = [Glm5DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers)]
+        self.layers = nnx.List(layers + ([Glm5MTP(cfg, dtype)] if mtp else []))   # MTP = layer N, as stored
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
 class Glm5Outer(nnx.Module):
-    def __init__(self, cfg: Glm5NextConfig, dtype):
-        self.language_model = Glm5TextModel(cfg, dtype)
+    def __init__(self, cfg: Glm5NextConfig, dtype, mtp: bool):
+        self.language_model = Glm5TextModel(cfg, dtype, mtp)
 
 
 class Glm5NextForConditionalGeneration(nnx.Module):
-    config_class = Glm5NextConfig
+    """``mtp=True`` also builds (and so loads) the MTP block, for speculative decoding."""
 
-    def __init__(self, cfg: Glm5NextConfig, dtype):
-        self.cfg = cfg
-        self.model = Glm5Outer(cfg, dtype)
+    config_class = Glm5NextConfig
+    has_mtp = True
+
+    def __init__(self, cfg: Glm5NextConfig, dtype, mtp: bool = False):
+        self.cfg, self.mtp = cfg, mtp
+        self.model = Glm5Outer(cfg, dtype, mtp)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype, axes=("vocab", "embed"))
 
     @staticmethod
-    def cache_layout(cfg: Glm5NextConfig, kv_dtype) -> CacheLayout:
-        """KDA: fp32 recurrent state and conv inputs (lossless for bf16 projections). DSA: latent
-        pages and pooled index keys in ``kv_dtype``; with fp8, index keys in the serving layout
-        (Hadamard-rotated e4m3 + a power-of-two scale per pool: 33 B/token at d = 128)."""
+    def cache_layout(cfg: Glm5NextConfig, kv_dtype, mtp: bool = False) -> CacheLayout:
+        """KDA: fp32 recurrent state and conv inputs (lossless for bf16 projections). DSA (and the
+        MTP block's own DSA when ``mtp``): latent pages and pooled index keys in ``kv_dtype``;
+        with fp8, index keys in the serving layout (Hadamard-rotated e4m3 + a power-of-two scale
+        per pool: 33 B/token at d = 128)."""
         h, dk = cfg.linear_num_heads, cfg.linear_head_dim
         fp8 = jnp.dtype(kv_dtype) == jnp.dtype(jnp.float8_e4m3fn)
         layout: CacheLayout = {}
-        for i, kind in enumerate(cfg.layer_types):
+        kinds = list(cfg.layer_types) + (["mtp"] if mtp else [])
+        for i, kind in enumerate(kinds):
             p = f"layers.{i}."
             if kind == LINEAR:
                 layout[p + "state"] = SlotSpec((h, dk, dk), jnp.float32, ("heads", None, None))
@@ -141,9 +188,9 @@ class Glm5NextForConditionalGeneration(nnx.Module):
                 "vocab_size": cfg.vocab_size}
 
     @staticmethod
-    def ignored_tensors(cfg: Glm5NextConfig) -> tuple[str, ...]:
-        """Checkpoint parts not served: the vision tower and the MTP block."""
-        return ("model.visual.", f"model.language_model.layers.{cfg.num_hidden_layers}.")
+    def ignored_tensors(cfg: Glm5NextConfig, mtp: bool = False) -> tuple[str, ...]:
+        """Checkpoint parts not served: the vision tower, and the MTP block unless asked for."""
+        return ("model.visual.",) + (() if mtp else (f"model.language_model.layers.{cfg.num_hidden_layers}.",))
 
     @staticmethod
     def make_ops(cfg: Glm5NextConfig, mesh: Mesh, backend: str) -> Glm5Ops:
@@ -155,11 +202,24 @@ class Glm5NextForConditionalGeneration(nnx.Module):
         x = lm.embed_tokens(tokens)                                                          # [B, T, D]
         x = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.cfg.hc_mult, x.shape[-1]))
         pools = dict(pools)
-        for i, layer in enumerate(lm.layers):
+        for i in range(self.cfg.num_hidden_layers):
             with jax.named_scope(f"layer_{i}"):
-                x, pools = layer(x, pools, batch, ops)
+                x, pools = lm.layers[i](x, pools, batch, ops)
         h = jnp.mean(x.astype(jnp.float32), axis=2).astype(x.dtype)
         return lm.norm(h), pools
+
+    def mtp_hidden(self, next_tokens, h, batch: AttentionBatch, pools: dict, ops: Glm5Ops,
+                   zero_first_embedding: bool = False):
+        """One MTP draft step: next_tokens [B, T] (token t+1 of each row t), h [B, T, D] the trunk's
+        final-normed hidden -> (MTP hidden [B, T, D], pools); draft logits = ``logits(hidden)``.
+        ``zero_first_embedding`` zeroes the embedding at position 0 (DeepSeek-MTP convention of
+        newer serving stacks)."""
+        lm = self.model.language_model
+        emb = lm.embed_tokens(next_tokens)
+        if zero_first_embedding:
+            emb = jnp.where((batch.positions == 0)[..., None], 0, emb)
+        with jax.named_scope("mtp"):
+            return lm.layers[self.cfg.num_hidden_layers](emb, h, pools, batch, ops)
 
     def logits(self, h: jax.Array) -> jax.Array:
         with jax.named_scope("lm_head"):

@@ -118,43 +118,23 @@ def _run_indexer(ix, x, qr, t, page_size=16, pages=4):
     return np.asarray(ix.select(x, qr, index, pos, table))[0], index, table
 
 
-def np_indexer(ix, x, qr, t):
-    """Selected-token mask [T, S] from the equations: LayerNorm'd keys, softmax pooling over 4
-    slots + ape, ReLU scores weighted per head, top index_topk/4 complete pools + the tail."""
-    x, qr = x[0].astype(np.float64), qr[0].astype(np.float64)
-    k = x @ np.asarray(ix.wk.weight[...]).T
-    k = (k - k.mean(-1, keepdims=True)) / np.sqrt(k.var(-1, keepdims=True) + 1e-6)
-    g = x @ np.asarray(ix.index_kpool_compress_gate[...]).T + 0.0
-    ape = np.asarray(ix.index_kpool_compress_ape[...])
-    n_pools = t // 4
-    pooled = []
-    for p in range(n_pools):
-        logits = g[4 * p:4 * p + 4] + ape
-        prob = np.exp(logits - logits.max(0)) / np.exp(logits - logits.max(0)).sum(0)
-        pooled.append((prob * k[4 * p:4 * p + 4]).sum(0))
-    q = (qr @ np.asarray(ix.wq_b.weight[...]).T).reshape(t, 3, 8)
-    w = (x @ np.asarray(ix.weights_proj.weight[...]).T) / np.sqrt(3)
-    s_len = 64
-    mask = np.zeros((t, s_len), bool)
-    for pos in range(t):
-        visible = [p for p in range(n_pools) if 4 * p + 3 <= pos]
-        scores = {p: float(np.sum(w[pos] * np.maximum(q[pos] @ pooled[p] / np.sqrt(8), 0))) for p in visible}
-        chosen = sorted(visible, key=lambda p: -scores[p])[:2]
-        for p in chosen:
-            mask[pos, 4 * p:4 * p + 4] = True
-        tail_start = (pos + 1) - (pos + 1) % 4
-        mask[pos, tail_start:pos + 1] = True
-    return mask, scores
-
-
 def test_indexer_selection_matches_numpy(indexer):
     rng = np.random.default_rng(4)
     t = 30
     x = jnp.asarray(rng.standard_normal((1, t, 16)), jnp.float32)
     qr = jnp.asarray(rng.standard_normal((1, t, 12)), jnp.float32)
+    from oracles.glm5_numpy import indexer_mask
+
     got, _, _ = _run_indexer(indexer, x, qr, t)
-    want, _ = np_indexer(indexer, np.asarray(x), np.asarray(qr), t)
-    np.testing.assert_array_equal(got, want)
+    w = {"wk.weight": indexer.wk.weight[...], "wq_b.weight": indexer.wq_b.weight[...],
+         "weights_proj.weight": indexer.weights_proj.weight[...], "k_norm.weight": indexer.k_norm.weight[...],
+         "k_norm.bias": indexer.k_norm.bias[...], "index_kpool_compress_ape": indexer.index_kpool_compress_ape[...],
+         "index_kpool_compress_gate": indexer.index_kpool_compress_gate[...]}
+    w = {k: np.asarray(v, np.float64) for k, v in w.items()}
+    c = {"index_kpool": 4, "index_n_heads": 3, "index_head_dim": 8, "index_topk": 8}
+    want = indexer_mask(c, w, "", np.asarray(x[0], np.float64), np.asarray(qr[0], np.float64))
+    np.testing.assert_array_equal(got[:, :t], want)
+    assert not got[:, t:].any()
     assert (got.sum(-1) < np.arange(1, t + 1)).any()            # selection is really sparse somewhere
 
 
@@ -209,3 +189,42 @@ def test_fp8_index_cache_is_33_bytes_per_token_at_flash_shapes():
     assert all(isinstance(s, PagedSpec) for s in index.values())
     assert bytes_per_page(index, 256) == 33 * 256
     assert bytes_per_page({"l": layout["layers.3.latent"]}, 256) == 512 * 256      # fp8 latent: 1 byte/value
+
+
+def test_mtp_block_matches_numpy(tmp_path):
+    """Draft logits of the MTP block (layer N) from the trunk's hidden states vs its NumPy twin."""
+    import math
+
+    from oracles import glm5_numpy, qwen3_numpy
+
+    from checkpoints.make_tiny import make_tiny
+    from kk_jax import LLM
+    from kk_jax.models.attention.paged import AttentionBatch
+
+    ckpt = make_tiny(tmp_path, arch="glm5_next", seed=7, num_layers=4, first_dense_layers=1, dtype="float32")
+    llm = LLM(ckpt, dtype="float32", max_model_len=64, max_num_seqs=1, max_num_batched_tokens=16,
+              load_mtp=True, progress=False)
+    r = llm.engine.runner
+    ids = [int(x) for x in np.random.default_rng(8).integers(0, 1000, 21)]
+    t = len(ids) - 1
+    table = np.zeros((1, r.max_pages_per_seq), np.int32)
+    table[0, : math.ceil(t / 16)] = np.arange(1, math.ceil(t / 16) + 1)
+    batch = AttentionBatch(jnp.arange(t, dtype=jnp.int32)[None], jnp.ones((1, t), bool), jnp.asarray(table),
+                           jnp.array([t], jnp.int32), jnp.ones((1,), jnp.int32))
+
+    @jax.jit
+    def draft(weights, pools):
+        model = r._model(weights)
+        h, pools = model(jnp.asarray([ids[:-1]]), batch, pools, r.ops)
+        out, _ = model.mtp_hidden(jnp.asarray([ids[1:]]), h, batch, pools, r.ops)
+        return h, out, model.logits(out)
+
+    h, out, logits = draft(r.weights, jax.tree.map(jnp.zeros_like, r.pools))
+    cfg, w = qwen3_numpy.load(ckpt)
+    c = cfg["text_config"]
+    w = {k: v.astype(np.float64) for k, v in w.items()}
+    want = glm5_numpy.mtp(c, w, w["model.language_model.embed_tokens.weight"][ids[1:]], np.asarray(h[0], np.float64))
+    np.testing.assert_allclose(np.asarray(out[0]), want, rtol=1e-4, atol=1e-4)
+    want_logits = want @ w["lm_head.weight"].T
+    rel = np.max(np.abs(np.asarray(logits[0]) - want_logits)) / np.max(np.abs(want_logits))
+    assert rel < 1e-4, rel
