@@ -3,9 +3,12 @@
     python checkpoints/quantize.py --in DIR --out DIR --algo fp8_block|mxfp8|nvfp4 [--exclude PATTERN ...]
 
 Every linear projection of the model (the ``Linear`` layers kk_jax builds for the
-checkpoint's architecture; output heads named ``lm_head`` always stay in floating point) is
+checkpoint's architecture and each routed expert's ``experts.{e}.{gate,up,down}_proj``, as the
+GLM-5.3 release quantizes them; output heads named ``lm_head`` always stay in floating point) is
 quantized unless a ``--exclude`` pattern matches its module name (``fnmatch`` wildcards, the
-exact name, or a parent module such as ``model.layers.0``). Everything else (embeddings,
+exact name, or a parent module such as ``model.layers.0``) or the architecture's release keeps
+it in floating point (``RELEASE_FLOAT``: for GLM-5.3 ``kv_b_proj``, the KDA gate and low-rank
+projections, the indexer and ``eh_proj``). Everything else (embeddings,
 norms, tokenizer files, generation config) is copied unchanged. The result has exactly the
 tensors and config entries the public releases have:
 
@@ -37,13 +40,33 @@ if __package__ in (None, ""):                      # python checkpoints/quantize
 
 ALGOS = ("fp8_block", "mxfp8", "nvfp4")
 
+# Linears an architecture's official release keeps in floating point (fnmatch patterns over
+# module names); they stay in floating point here too, whatever the format. GLM-5.3's block-FP8
+# release quantizes the experts (routed and shared), dense MLPs, KDA q/k/v/o and MLA
+# q_a/q_b/kv_a/o_proj, and keeps kv_b_proj (read directly for MLA weight absorption), the KDA
+# gate and low-rank projections, the indexer and the MTP eh_proj in BF16.
+RELEASE_FLOAT = {
+    "Glm5NextForConditionalGeneration": (
+        "*.self_attn.kv_b_proj", "*.self_attn.b_proj", "*.self_attn.f_a_proj", "*.self_attn.f_b_proj",
+        "*.self_attn.g_a_proj", "*.self_attn.g_b_proj", "*.self_attn.indexer.*", "*.eh_proj"),
+}
+
 
 class QuantizeError(ValueError):
     """The input cannot be quantized as asked; the message says what to change."""
 
 
+def release_float(model_dir: Path) -> tuple[str, ...]:
+    """The :data:`RELEASE_FLOAT` patterns of the checkpoint's architecture (none for Qwen3)."""
+    from kk_jax.config import load_model_config
+
+    return RELEASE_FLOAT.get(load_model_config(model_dir).architecture, ())
+
+
 def linear_modules(model_dir: Path) -> list[str]:
-    """Names of the Linear / FusedLinear-member modules kk_jax builds for this checkpoint."""
+    """Names of the Linear / FusedLinear-member modules kk_jax builds for this checkpoint, and of
+    every routed expert's projections (``...mlp.experts.{e}.{gate,up,down}_proj``: stacked params
+    with ``hf_experts`` metadata, stored per expert in the checkpoint)."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -59,6 +82,11 @@ def linear_modules(model_dir: Path) -> list[str]:
             names += [m for m, _ in module.members]
         elif isinstance(module, Linear):
             names.append(".".join(map(str, path)))
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        spec = var.get_metadata().get("hf_experts")
+        if spec is not None:
+            base = ".".join(map(str, path[:-1]))
+            names += [f"{base}.{e}.{spec[0]}" for e in range(spec[1])]
     return names
 
 
@@ -95,9 +123,14 @@ def quantize_checkpoint(src, dst, algo: str, exclude: list[str] | tuple = (), pr
     if detect(src) is not None:
         raise QuantizeError(f"{src} is already quantized; start from a bf16/f32 checkpoint")
     block = (128, 128) if algo == "fp8_block" else (1, {"mxfp8": 32, "nvfp4": 16}[algo])
-    qcfg = QuantConfig(algo, block, tuple(exclude), activation_scheme="dynamic" if algo == "fp8_block" else None)
+    keep = release_float(src)
+    # block FP8 marks quantized linears by their scale tensors (the release lists no exclusions);
+    # the ModelOpt formats must name every linear left in floating point
+    written = tuple(exclude) if algo == "fp8_block" else tuple(dict.fromkeys((*exclude, *keep)))
+    qcfg = QuantConfig(algo, block, written, activation_scheme="dynamic" if algo == "fp8_block" else None)
+    chooser = QuantConfig(algo, block, tuple(exclude) + keep)
     tensors = index_checkpoint(src)
-    targets = {m for m in linear_modules(src) if qcfg.method_for(m) and f"{m}.weight" in tensors}
+    targets = {m for m in linear_modules(src) if chooser.method_for(m) and f"{m}.weight" in tensors}
     problems = []
     for m in sorted(targets):
         info = tensors[f"{m}.weight"]

@@ -28,12 +28,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kk_jax.cache.pools import CacheLayout, SlotSpec, allocate_pools, bytes_per_page, pool_sharding, zero_slots
-from kk_jax.checkpoint.loader import load_params, random_params, tensor_spec
+from kk_jax.checkpoint.loader import TensorSpec, load_params, random_params, tensor_spec
 from kk_jax.config import EngineConfig
 from kk_jax.engine.request import MAX_LOGPROBS
 from kk_jax.engine.sampler import SamplingArrays, sample
 from kk_jax.models.attention.paged import AttentionBatch
 from kk_jax.models.layers.linear import prepare_linears
+from kk_jax.models.layers.moe import prepare_experts
 from kk_jax.parallel.mesh import check_divisible, sharding
 
 log = logging.getLogger(__name__)
@@ -61,28 +62,35 @@ def kv_dtype(name: str, model_dtype):
 
 
 def checkpoint_tensors(flat) -> tuple[dict, dict[str, list[str]]]:
-    """Expected checkpoint tensors {name: (shape, axes)} for the model's flat NNX state, and,
-    for stacked routed experts (``hf_experts`` metadata ``(name, E)`` on a ``[E, in, out]``
-    param), the per-expert checkpoint names (``...experts.{e}.{name}.weight``, HF ``[out, in]``)
-    each stacked param is built from."""
+    """Expected checkpoint tensors {name: TensorSpec} for the model's flat NNX state, and, for
+    stacked routed experts (``hf_experts`` metadata ``(proj, E)`` or ``(proj, E, suffix)`` on an
+    ``[E, a, b]`` or ``[E]`` param), the per-expert checkpoint names
+    (``...experts.{e}.{proj}.{suffix}``, suffix ``weight`` by default, HF layout ``[b, a]``) each
+    stacked param is built from. Quantized expert tensors (``quant_dtype`` metadata: codes and
+    scales) must have that exact dtype, so a mis-shaped or mistyped one is reported by the
+    loader before any device work."""
     expected, stacks = {}, {}
     for path, var in flat:
         name = ".".join(map(str, path))
-        spec = var.get_metadata().get("hf_experts")
+        meta = var.get_metadata()
+        spec = meta.get("hf_experts")
         if spec is None:
             expected[name] = tensor_spec(var)      # (shape, axes) + exact dtype of quantized tensors
             continue
-        proj, n = spec
+        proj, n, suffix = (*spec, "weight")[:3]
         base = ".".join(map(str, path[:-1]))
-        names = [f"{base}.{e}.{proj}.weight" for e in range(n)]
+        names = [f"{base}.{e}.{proj}.{suffix}" for e in range(n)]
+        per_expert = TensorSpec(tuple(reversed(var.shape[1:])), tuple(reversed(tuple(var.axes)[1:])),
+                                meta.get("quant_dtype"))
         for n_ in names:
-            expected[n_] = ((var.shape[2], var.shape[1]), (var.axes[2], var.axes[1]))
+            expected[n_] = per_expert
         stacks[name] = names
     return expected, stacks
 
 
 def stack_experts(per_expert: list[jax.Array], out_sharding) -> jax.Array:
-    """[out, in] per expert -> [E, in, out], placed with the stacked param's sharding."""
+    """[a, b] per expert -> [E, b, a] (HF [out, in] weights -> [E, in, out]; quantized codes and
+    scales the same way, per-expert scalars -> [E]), placed with the stacked param's sharding."""
     return jax.jit(lambda ws: jnp.stack([w.T for w in ws]), out_shardings=out_sharding)(per_expert)
 
 
@@ -163,9 +171,9 @@ class ModelRunner:
         if cfg.load_mtp and not getattr(model_cls, "has_mtp", False):
             raise ValueError(f"{model_cls.__name__} has no MTP block; drop load_mtp")
         extra = {"mtp": True} if cfg.load_mtp else {}        # MTP block: built, loaded and cached
-        # quantized linears (block FP8 / MXFP8 / NVFP4) as the checkpoint declares them
-        abstract = nnx.eval_shape(lambda: prepare_linears(model_cls(model_cfg, dtype, **extra), model_dir,
-                                                          backend=self.backend, mesh=mesh))
+        # quantized linears and routed experts (block FP8 / MXFP8 / NVFP4) as the checkpoint declares them
+        abstract = nnx.eval_shape(lambda: prepare_experts(prepare_linears(
+            model_cls(model_cfg, dtype, **extra), model_dir, backend=self.backend, mesh=mesh), model_dir, mesh=mesh))
         self.graphdef, state = nnx.split(abstract)
         flat = nnx.to_flat_state(state)
         expected, stacks = checkpoint_tensors(flat)

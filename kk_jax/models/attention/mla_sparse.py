@@ -47,7 +47,7 @@ class SparseMLA(nnx.Module):
                                                      batch.valid, batch.page_table)
         mask = self.indexer.select(x, qr, index, batch.positions, batch.page_table)          # [B, T, S]
         lat = latent_pool[batch.page_table].reshape(b, -1, kl)                               # [B, S, kl]
-        wkv = self.kv_b_proj.weight[...].reshape(h, nope + vd, kl)
+        wkv = self.kv_b_proj.dense_weight(jnp.float32).reshape(h, nope + vd, kl)         # dequantized if quantized
         q_abs = jnp.einsum("bthn,hnc->bthc", q.astype(jnp.float32), wkv[:, :nope].astype(jnp.float32),
                            precision=jax.lax.Precision.HIGHEST)
         s = jnp.einsum("bthc,bsc->bhts", q_abs, lat.astype(jnp.float32),
