@@ -37,3 +37,15 @@ def tiny_ckpt_untied(tmp_path_factory):
 
     return make_tiny(tmp_path_factory.mktemp("tiny-untied"), arch="qwen3", seed=1, dtype="float32",
                      tie_word_embeddings=False, shards=2)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need an NVIDIA GPU: skipped anywhere else (CI has none)."""
+    import jax
+
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

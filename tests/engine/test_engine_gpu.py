@@ -4,13 +4,11 @@ same greedy tokens as the jnp backend. Skipped without a GPU.
 Both kernels compute in bf16 precision (fp32 accumulation), so the comparison is made on a
 bf16 model, over the first tokens (a late near-tie may flip under different rounding)."""
 
-import jax
 import pytest
 
 from kk_jax import LLM, SamplingParams
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")

@@ -86,7 +86,6 @@ def test_grouped_experts_match_dense_numpy():
 
 @pytest.fixture(scope="module")
 def indexer():
-    from flax import nnx
 
     from kk_jax.config import Glm5NextConfig
     from kk_jax.models.attention.pooled_indexer import PooledIndexer

@@ -66,15 +66,7 @@ def test_lowers_for_hopper(m):
                      jax.ShapeDtypeStruct((), jnp.float32)).lower(lowering_platforms=("cuda",))
 
 
-def _has_gpu() -> bool:
-    try:
-        return jax.devices()[0].platform == "gpu"
-    except RuntimeError:
-        return False
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_gpu(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (300, 512, 1024)])
 def test_compiled_kernel_matches_oracle(m, n, k):
     x, *w = make(m, n, k, seed=7)
