@@ -18,6 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import common
 from pallas_kernels.mxfp8 import wdequant as wd
 
 from .reference import DEFAULT_BLOCK, quantize_activations, validate
@@ -105,17 +106,9 @@ def w8a8_matmul(xq, sxt, w, sw, *, p: wd.Plan, out_dtype, interpret=False):
             in_specs=[plgpu.BlockSpec((bn, tk), lambda kk: (nb, k0 + kk), transforms=wd.smem_tile(f8, tk)),
                       plgpu.BlockSpec((bm, tk), lambda kk: (mb, k0 + kk), transforms=wd.smem_tile(f8, tk))],
         )(w_gmem, x_gmem)
-        o_smem.T[...] = plgpu.layout_cast(acc.astype(part_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
-        plgpu.commit_smem()
-        dst = o_gmem.at[ks] if splits > 1 else o_gmem
-        plgpu.copy_smem_to_gmem(o_smem, dst.at[pl.ds(mb * bm, bm), pl.ds(nb * bn, bn)])
-        plgpu.wait_smem_to_gmem(0)
+        wd.store_tile(acc.astype(part_dtype), o_smem, o_gmem, ks, splits, pl.ds(mb * bm, bm), pl.ds(nb * bn, bn))
 
     out_shape = (splits, mp, n) if splits > 1 else (mp, n)
-    kwargs = {}
-    if interpret:
-        kwargs["interpret"] = (interpret if isinstance(interpret, plgpu.InterpretGPUParams)
-                               else plgpu.InterpretGPUParams())
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, part_dtype),
@@ -123,6 +116,6 @@ def w8a8_matmul(xq, sxt, w, sw, *, p: wd.Plan, out_dtype, interpret=False):
         grid=(n // bn, mp // bm, splits),
         grid_names=("n", "m", "k"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        **kwargs,
+        **common.interpret_kwargs(interpret),
     )
     return call(xq, sxt, w, sw)

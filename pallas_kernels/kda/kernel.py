@@ -48,6 +48,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.common import interpret_kwargs
+
 from ._common import KDACheckpoints, prepare_qk
 from .reference import CHUNK, _chunk_table
 
@@ -62,13 +64,6 @@ def check_kernel_dims(kd, vd):
   if kd not in SUPPORTED_DIMS or vd != kd:
     raise ValueError(f"the Pallas KDA kernels need K == V in {SUPPORTED_DIMS}, got K={kd}, "
                      f"V={vd}; use backend='xla' for other head sizes")
-
-
-def _interpret_kwargs(interpret):
-  if not interpret:
-    return {}
-  return {"interpret": (interpret if isinstance(interpret, plgpu.InterpretGPUParams)
-                        else plgpu.InterpretGPUParams())}
 
 
 def _swizzled(dtype, cols):
@@ -157,7 +152,7 @@ def _step_call(q, k, v, g, beta, pool, slots, reset, *, write_states, interpret)
       body, out_type=tuple(out_type), scratch_types=scratch,
       grid=(vd // vt, hv, n), grid_names=("vt", "h", "n"),
       compiler_params=plgpu.CompilerParams(approx_math=False),
-      **_interpret_kwargs(interpret))
+      **interpret_kwargs(interpret))
   if write_states:
     o, states = call(q, k, v, g, beta, slots, reset, pool)
     return o, states
@@ -416,7 +411,7 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
       body, out_type=out_type, scratch_types=scratch,
       grid=(hv, nct), grid_names=("h", "c"),
       compiler_params=plgpu.CompilerParams(approx_math=False),
-      **_interpret_kwargs(interpret))
+      **interpret_kwargs(interpret))
   return call(qn, kn, v, gam, beta_t)
 
 
@@ -568,7 +563,7 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
       body, out_type=tuple(out_type), scratch_types=scratch,
       grid=(vd // vt, hv, n), grid_names=("vt", "h", "n"),
       compiler_params=plgpu.CompilerParams(approx_math=False),
-      **_interpret_kwargs(interpret))
+      **interpret_kwargs(interpret))
   return call(*args)
 
 

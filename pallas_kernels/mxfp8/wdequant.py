@@ -58,6 +58,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import common
+
 BN = 64                      # weight rows per CTA (one warpgroup's wgmma M)
 ROW = plgpu.Layout.WGMMA.reduce(1)
 WGMMA = plgpu.Layout.WGMMA
@@ -274,17 +276,9 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, interpret=Fa
         acc = pl.run_scoped(compute, plgpu.ACC((BN, bm), jnp.float32))
         if fmt == "nvfp4":
             acc = acc * s_gmem[1][0]
-        o_smem.T[...] = plgpu.layout_cast(acc.astype(part_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
-        plgpu.commit_smem()
-        dst = o_gmem.at[ks] if splits > 1 else o_gmem
-        plgpu.copy_smem_to_gmem(o_smem, dst.at[pl.ds(mb * bm, bm), rows])
-        plgpu.wait_smem_to_gmem(0)
+        store_tile(acc.astype(part_dtype), o_smem, o_gmem, ks, splits, pl.ds(mb * bm, bm), rows)
 
     out_shape = (splits, mp, n) if splits > 1 else (mp, n)
-    kwargs = {}
-    if interpret:
-        kwargs["interpret"] = (interpret if isinstance(interpret, plgpu.InterpretGPUParams)
-                               else plgpu.InterpretGPUParams())
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, part_dtype),
@@ -295,9 +289,20 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, interpret=Fa
         grid=(n // BN, mp // bm, splits),
         grid_names=("n", "m", "k"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        **kwargs,
+        **common.interpret_kwargs(interpret),
     )
     return call(*xs, w, *scales)
+
+
+def store_tile(acc_t, o_smem, o_gmem, ks, splits: int, rows, cols) -> None:
+    """Epilogue shared by the weight-dequant kernels: the transposed accumulator tile
+    ``acc_t [cols, rows]`` (already in the partial-sum dtype) to ``o_gmem[(ks,) rows, cols]``
+    through SMEM; with split-K each split writes its own slab, summed later by ``finish``."""
+    o_smem.T[...] = plgpu.layout_cast(acc_t, plgpu.Layout.WGMMA_TRANSPOSED)
+    plgpu.commit_smem()
+    dst = o_gmem.at[ks] if splits > 1 else o_gmem
+    plgpu.copy_smem_to_gmem(o_smem, dst.at[rows, cols])
+    plgpu.wait_smem_to_gmem(0)
 
 
 def finish(y, p: Plan, m: int, n: int, out_dtype):

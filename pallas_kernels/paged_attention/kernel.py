@@ -44,6 +44,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.common import interpret_kwargs
+
 from .reference import validate_inputs
 
 LOG2E = 1.4426950408889634
@@ -388,10 +390,6 @@ def _paged_call(qs, k_pages, v_pages, page_table, kv_lens, *, num_splits,
       jax.ShapeDtypeStruct((batch, num_kv_heads, nsplit, head_dim, group_p), jnp.float32),
       jax.ShapeDtypeStruct((batch, num_kv_heads, nsplit, group_p), jnp.float32),
   )
-  kwargs = {}
-  if interpret:
-    kwargs["interpret"] = (interpret if isinstance(interpret, plgpu.InterpretGPUParams)
-                           else plgpu.InterpretGPUParams())
   call = plgpu.kernel(
       body,
       out_type=out_type,
@@ -400,6 +398,6 @@ def _paged_call(qs, k_pages, v_pages, page_table, kv_lens, *, num_splits,
       grid_names=("head", "split", "batch"),
       compiler_params=plgpu.CompilerParams(
           approx_math=True, reduction_scratch_bytes=_REDUCTION_SCRATCH),
-      **kwargs,
+      **interpret_kwargs(interpret),
   )
   return call(qs, k_pages, v_pages, page_table, kv_lens)
