@@ -112,6 +112,9 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    if args.trace:
+        from trace_summary import print_summary
+        print_summary(args.trace)
 
 
 if __name__ == "__main__":

@@ -112,7 +112,8 @@ def step_bytes(c, runner, batch: int, context: int) -> float:
 
 
 def bench(c, backend: str, batches, context: int, steps: int, iters: int, tp: int, prefill_tokens: int,
-          page_size: int):
+          page_size: int, trace_dir: str | None = None):
+    import jax
     import jax.numpy as jnp
 
     from kk_jax.config import EngineConfig
@@ -140,6 +141,9 @@ def bench(c, backend: str, batches, context: int, steps: int, iters: int, tp: in
     prefill_s = time.perf_counter() - t0
     rows.append(dict(kind="prefill", backend=runner.backend, tokens=prefill_tokens, seconds=prefill_s,
                      tok_per_s=prefill_tokens / prefill_s, compile_s=first - prefill_s))
+    if trace_dir:
+        with jax.profiler.trace(f"{trace_dir}/prefill"):
+            runner.prefill([PrefillRow([1] * prefill_tokens, 0, pages(0), 1, greedy, 0, 0)])
     for b in batches:
         drows = [DecodeRow(token=1, position=context, pages=pages(i), slot=i + 1, budget=steps, stop_ids=[],
                            params=greedy, seed=0, token_index=0) for i in range(b)]
@@ -152,6 +156,9 @@ def bench(c, backend: str, batches, context: int, steps: int, iters: int, tp: in
         roof = step_bytes(c, runner, b, context) / HBM_BYTES_PER_S
         rows.append(dict(kind="decode", backend=runner.backend, batch=b, context=context, step_ms=wall * 1e3,
                          tok_per_s=b / wall, roofline_ms=roof * 1e3, roofline_frac=roof / wall, host_frac=host / wall))
+        if trace_dir and b == max_b:
+            with jax.profiler.trace(f"{trace_dir}/decode"):
+                runner.decode(drows)
     return rows
 
 
@@ -171,6 +178,8 @@ def main():
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--trace", default=None, help="trace one prefill and one decode call (largest batch) "
+                    "into DIR/prefill and DIR/decode and print where the GPU time goes")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.memory_plan:
@@ -184,9 +193,14 @@ def main():
         c = tiny_config() if a.tiny else flash_config(a.layers)
         page = 16 if a.tiny else a.page_size
         result = bench(c, a.backend, a.batch, a.context, a.steps, a.iters, a.tp,
-                       min(a.prefill_tokens, a.context), page)
+                       min(a.prefill_tokens, a.context), page, a.trace)
         for r in result:
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}))
+        if a.trace:
+            from trace_summary import print_summary
+            for part in ("prefill", "decode"):
+                print(f"== trace: {part} ==")
+                print_summary(f"{a.trace}/{part}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -7,7 +7,8 @@
    N=64 H=32. Relative L2 errors are printed; the script exits non-zero if one is too big.
 2. Prefill (bf16 q/k/v, fp32 GLM safe gate g in [-5, 0), l2norm in kernel, final state out):
    ours (`chunk_kda(backend="pallas")`, also split into its XLA intra stage and its Mosaic
-   GPU scan stage at T=32K) vs fla `chunk_kda(safe_gate=True, lower_bound=-5)`.
+   GPU scan stage at T=32K) vs fla `chunk_kda(safe_gate=True, lower_bound=-5)` and, at B=1
+   H=32, tokamax's pure-XLA `xla_chunked` KDA.
 3. Decode, one token per sequence, fp32 state H=32 D=128: ours per call (pool donated) and
    per step inside a 16-step on-device loop vs fla `fused_recurrent_kda` per call; effective
    state traffic = N*H*K*V*4 bytes read + written.
@@ -149,6 +150,27 @@ class Fla:
                                                 return_mode="median"))
 
 
+def tokamax_prefill_ms(q, k, v, g, beta):
+  """tokamax 0.0.17 `kimi_delta_attention(implementation="xla_chunked")` on the same shape.
+
+  That implementation only takes the raw gate with the fused activation, so it gets f = g
+  with A_log = 0, dt_bias = 0 and lower_bound -5 (same work, a different gate value); its
+  layout is [H, B, T, K], transposed outside the timed call. None when tokamax is absent."""
+  try:
+    from tokamax._src.ops.kda.api import kimi_delta_attention
+  except ImportError:
+    return None
+  h, dk = q.shape[2], q.shape[3]
+  t = lambda x: jnp.asarray(np.moveaxis(x, 2, 0), jnp.bfloat16)
+  f = jax.jit(lambda q, k, v, g, b: kimi_delta_attention(
+      q, k, v, g, b, a_log=jnp.zeros((h,), jnp.float32),
+      delta_time_bias=jnp.zeros((h * dk,), jnp.float32), output_final_state=True,
+      use_qk_l2norm=True, use_gate_in_kernel=True, lower_bound=-5.0,
+      implementation="xla_chunked"))
+  return time_jax(f, t(q), t(k), t(v), jnp.asarray(np.moveaxis(g, 2, 0)), t(beta),
+                  iters=3, reps=3) * 1e3
+
+
 def check(results, failures, cases=None):
   """Compiled Pallas kernels vs the jnp reference (cases: prefixes of case names to run)."""
   kw = {"output_final_state": True, "use_qk_l2norm": True}
@@ -202,7 +224,7 @@ def _print_check(rows, results, failures):
       failures.append(name)
 
 
-def bench_prefill(results, fla, budget, quick, shapes=None):
+def bench_prefill(results, fla, budget, quick, shapes=None, tokamax=True):
   shapes = shapes or [(1, 8192, 32), (1, 32768, 32), (4, 8192, 32), (1, 8192, 64),
                       (1, 32768, 64)]
   if quick:
@@ -223,6 +245,8 @@ def bench_prefill(results, fla, budget, quick, shapes=None):
     if (b, t, h) == sz((1, 32768, 32), (1, 256, 1)):
       row.update(_stage_split(a))
     row["fla_ms"] = fla.prefill_ms(*host)
+    if tokamax and b == 1 and h == sz(32, 1):
+      row["tokamax_xla_chunked_ms"] = tokamax_prefill_ms(*host)
     row["ratio_ours_over_fla"] = (ours / row["fla_ms"]) if row["fla_ms"] else None
     results["prefill"].append(row)
     print(json.dumps(row))
@@ -304,14 +328,15 @@ def lax_fori(n, body, x):
 
 def table(results):
   print("\n== summary ==")
-  print("prefill  B     T   H | ours ms (intra + scan)            | fla ms | ours/fla")
+  print("prefill  B     T   H | ours ms (intra + scan)            | fla ms | ours/fla | tokamax ms")
   for r in results["prefill"]:
     split = (f" ({r['ours_intra_ms']:.2f} + {r['ours_scan_ms']:.2f})"
              if "ours_intra_ms" in r else "")
     fla = f"{r['fla_ms']:.3f}" if r["fla_ms"] else "n/a"
     ratio = f"{r['ratio_ours_over_fla']:.2f}x" if r["ratio_ours_over_fla"] else "n/a"
+    tok = f"{r['tokamax_xla_chunked_ms']:.3f}" if r.get("tokamax_xla_chunked_ms") else "n/a"
     print(f"        {r['B']:2d} {r['T']:6d} {r['H']:3d} | {r['ours_ms']:8.3f}{split:24s} | "
-          f"{fla:>6s} | {ratio}")
+          f"{fla:>6s} | {ratio} | {tok}")
   print("decode   N | ours us/call | ours us/step (loop) TB/s | fla us/call TB/s | loop/fla")
   for r in results["decode"]:
     fla = (f"{r['fla_us_per_call']:8.1f} {r['fla_TBps']:.2f}" if r["fla_us_per_call"]
@@ -333,6 +358,7 @@ def main():
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--tiny", action="store_true", help="CPU smoke test (interpret mode)")
   ap.add_argument("--no-decode", action="store_true")
+  ap.add_argument("--no-tokamax", action="store_true")
   ap.add_argument("--check-cases", default=None,
                   help="comma-separated case-name prefixes, e.g. 'prefill varlen,prefill B=1 T=8192'")
   ap.add_argument("--prefill-shapes", default=None, help="e.g. 1x8192x32,1x32768x32 (BxTxH)")
@@ -357,7 +383,7 @@ def main():
   shapes = None
   if args.prefill_shapes:
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.prefill_shapes.split(",")]
-  bench_prefill(results, fla, args.budget_s, args.quick, shapes)
+  bench_prefill(results, fla, args.budget_s, args.quick, shapes, tokamax=not args.no_tokamax)
   table(results)
   results["wall_s"] = time.time() - T0
   Path(args.out).write_text(json.dumps(results, indent=1))
