@@ -111,6 +111,12 @@ def step_bytes(c, runner, batch: int, context: int) -> float:
     return weights + dsa + kda
 
 
+def emit(rows: list, row: dict) -> None:
+    """Records a result row and prints it at once (a long run stopped by a time limit keeps what it measured)."""
+    rows.append(row)
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+
+
 def bench(c, backend: str, batches, context: int, steps: int, iters: int, tp: int, prefill_tokens: int,
           page_size: int, trace_dir: str | None = None):
     import jax
@@ -128,8 +134,11 @@ def bench(c, backend: str, batches, context: int, steps: int, iters: int, tp: in
     ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_b, max_num_batched_tokens=prefill_tokens,
                         page_size=page_size, num_pages=max_b * per_seq + 1, tp=tp, decode_steps=steps,
                         kernel_backend=backend)
+    t0 = time.perf_counter()
     runner = ModelRunner(Glm5NextForConditionalGeneration, c, None, jnp.bfloat16, ecfg, make_mesh(tp),
                          progress=False, random_weights_seed=0)
+    print(f"runner ready in {time.perf_counter() - t0:.1f} s (weights {runner.weight_bytes / 2**30:.1f} GiB, "
+          f"start-up compiles included)", flush=True)
     greedy = SamplingParams(max_tokens=steps, temperature=0.0)
     pages = lambda i: list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))
     rows = []
@@ -139,8 +148,8 @@ def bench(c, backend: str, batches, context: int, steps: int, iters: int, tp: in
     t0 = time.perf_counter()
     runner.prefill([PrefillRow([1] * prefill_tokens, 0, pages(0), 1, greedy, 0, 0)])
     prefill_s = time.perf_counter() - t0
-    rows.append(dict(kind="prefill", backend=runner.backend, tokens=prefill_tokens, seconds=prefill_s,
-                     tok_per_s=prefill_tokens / prefill_s, compile_s=first - prefill_s))
+    emit(rows, dict(kind="prefill", backend=runner.backend, tokens=prefill_tokens, seconds=prefill_s,
+                    tok_per_s=prefill_tokens / prefill_s, compile_s=first - prefill_s))
     if trace_dir:
         with jax.profiler.trace(f"{trace_dir}/prefill"):
             runner.prefill([PrefillRow([1] * prefill_tokens, 0, pages(0), 1, greedy, 0, 0)])
@@ -154,8 +163,8 @@ def bench(c, backend: str, batches, context: int, steps: int, iters: int, tp: in
         wall = (time.perf_counter() - t0) / (iters * steps)
         host = (runner.host_seconds - host0) / (iters * steps)
         roof = step_bytes(c, runner, b, context) / HBM_BYTES_PER_S
-        rows.append(dict(kind="decode", backend=runner.backend, batch=b, context=context, step_ms=wall * 1e3,
-                         tok_per_s=b / wall, roofline_ms=roof * 1e3, roofline_frac=roof / wall, host_frac=host / wall))
+        emit(rows, dict(kind="decode", backend=runner.backend, batch=b, context=context, step_ms=wall * 1e3,
+                        tok_per_s=b / wall, roofline_ms=roof * 1e3, roofline_frac=roof / wall, host_frac=host / wall))
         if trace_dir and b == max_b:
             with jax.profiler.trace(f"{trace_dir}/decode"):
                 runner.decode(drows)
@@ -194,8 +203,6 @@ def main():
         page = 16 if a.tiny else a.page_size
         result = bench(c, a.backend, a.batch, a.context, a.steps, a.iters, a.tp,
                        min(a.prefill_tokens, a.context), page, a.trace)
-        for r in result:
-            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}))
         if a.trace:
             from trace_summary import print_summary
             for part in ("prefill", "decode"):

@@ -276,7 +276,7 @@ class ModelRunner:
         sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
         mp = self.max_pages_per_seq
         sa = SamplingArrays(sds((b,), jnp.float32), sds((b,), jnp.int32), sds((b,), jnp.float32),
-                            sds((b,), jnp.float32), sds((b,), jnp.uint32))
+                            sds((b,), jnp.float32), sds((b,), jnp.uint32), sds((b,), jnp.int32))
         weights = tuple(jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=w.sharding) for w in self.weights)
         pools = {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for n, a in self.pools.items()}
         if kind == "prefill":

@@ -94,8 +94,8 @@ def _step_call(q, k, v, g, beta, pool, slots, reset, *, write_states, interpret)
   vt = _v_tile(vd)
   f32 = jnp.float32
 
-  def body(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, pool_ref, *outs,
-           s_smem, q_smem, k_smem, g_smem, v_smem, bar):
+  def kda_step(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, pool_ref, *outs,
+               s_smem, q_smem, k_smem, g_smem, v_smem, bar):
     o_ref = outs[0]
     st_ref = outs[1] if write_states else None
     j = lax.axis_index("vt")
@@ -149,7 +149,7 @@ def _step_call(q, k, v, g, beta, pool, slots, reset, *, write_states, interpret)
       "bar": plgpu.Barrier(num_arrivals=5, num_barriers=1),
   }
   call = plgpu.kernel(
-      body, out_type=tuple(out_type), scratch_types=scratch,
+      kda_step, out_type=tuple(out_type), scratch_types=scratch,
       grid=(vd // vt, hv, n), grid_names=("vt", "h", "n"),
       compiler_params=plgpu.CompilerParams(approx_math=False),
       **interpret_kwargs(interpret))
@@ -193,6 +193,23 @@ def kda_verify_pallas(q, k, v, g, beta, state_pool, slots, *, scale=None,
 
 
 # ------------------------------------------------------------------- chunked prefill
+
+
+def _mm(*groups):
+  """Tensor-core products into fresh fp32 accumulators, inside a kernel body.
+
+  Each group is (shape, (a, b), (a, b), ...): its products are summed in one accumulator of
+  `shape`. Every wgmma of every group is issued before a single wait, so independent products
+  overlap instead of paying one issue-to-completion latency each. Returns one value per group.
+  (Accumulating into an existing register value with pl.run_state(ACC.init(x)) would save an
+  add, but Mosaic GPU interpret mode cannot run it, and the tests must run the GPU code.)"""
+  def run(*accs):
+    for acc, (_, *pairs) in zip(accs, groups):
+      for a_op, b_op in pairs:
+        plgpu.wgmma(acc, a_op, b_op)
+    plgpu.wgmma_wait(0)
+    return tuple(acc[...] for acc in accs)
+  return pl.run_scoped(run, *(plgpu.ACC(shape, jnp.float32) for shape, *_ in groups))
 
 
 def _intra(q, k, v, g, beta):
@@ -262,31 +279,26 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
   ns = c // _SUB
   ref_rows = tuple(range(0, c, _SUB)) + (c - 1,)
 
-  def body(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, qg_ref, kg_ref, u_ref, a_ref, gl_ref, *,
-           q_s, k_s, v_s, g_s, gr_s, b_s, t1, t2, t3, m1, m2, m3, m4, m5, m6, gl_s, bar):
+  def kda_intra(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, qg_ref, kg_ref, u_ref, a_ref, gl_ref, *,
+                q_s, k_s, v_s, g_s, gr_s, b_s, t1, t2, t3, m1, m2, m3, m4, m5, m6, gl_s, bar):
     h = lax.axis_index("h")
     ch = lax.axis_index("c")
-    plgpu.copy_gmem_to_smem(q_ref.at[ch, :, h, :], q_s, bar.at[0])
-    plgpu.copy_gmem_to_smem(k_ref.at[ch, :, h, :], k_s, bar.at[0])
-    plgpu.copy_gmem_to_smem(v_ref.at[ch, :, h, :], v_s, bar.at[0])
-    plgpu.copy_gmem_to_smem(g_ref.at[ch, :, h, :], g_s, bar.at[0])
-    plgpu.copy_gmem_to_smem(b_ref.at[ch, h], b_s, bar.at[0])
-    # Gamma rows used as per-column vectors (sub-chunk references, last row) live in their
-    # own buffer: Mosaic GPU cannot load one SMEM ref both as a tile and as single rows.
-    for i, row in enumerate(ref_rows):
-      plgpu.copy_gmem_to_smem(g_ref.at[ch, pl.ds(row, 1), h, :], gr_s.at[pl.ds(i, 1)],
-                              bar.at[0])
-    plgpu.barrier_wait(bar.at[0])
+    with jax.named_scope("load"):
+      plgpu.copy_gmem_to_smem(q_ref.at[ch, :, h, :], q_s, bar.at[0])
+      plgpu.copy_gmem_to_smem(k_ref.at[ch, :, h, :], k_s, bar.at[0])
+      plgpu.copy_gmem_to_smem(v_ref.at[ch, :, h, :], v_s, bar.at[0])
+      plgpu.copy_gmem_to_smem(g_ref.at[ch, :, h, :], g_s, bar.at[0])
+      plgpu.copy_gmem_to_smem(b_ref.at[ch, h], b_s, bar.at[0])
+      # Gamma rows used as per-column vectors (sub-chunk references, last row) live in their
+      # own buffer: Mosaic GPU cannot load one SMEM ref both as a tile and as single rows.
+      for i, row in enumerate(ref_rows):
+        plgpu.copy_gmem_to_smem(g_ref.at[ch, pl.ds(row, 1), h, :], gr_s.at[pl.ds(i, 1)],
+                                bar.at[0])
+      plgpu.barrier_wait(bar.at[0])
 
-    def mm(a_op, b_op, n_out):
-      def run(acc_ref):
-        plgpu.wgmma(acc_ref, a_op, b_op)
-        plgpu.wgmma_wait(0)
-        return acc_ref[...]
-      return pl.run_scoped(run, plgpu.ACC((c, n_out), f32))
-
-    def mm3(x_hi, x_lo, y_hi, y_lo, n_out):
-      return mm(x_hi, y_hi, n_out) + mm(x_hi, y_lo, n_out) + mm(x_lo, y_hi, n_out)
+    def split3(x_hi, x_lo, y_hi, y_lo, n_out):
+      """The 3-pass product hi*hi + hi*lo + lo*hi as one `_mm` group."""
+      return ((c, n_out), (x_hi, y_hi), (x_hi, y_lo), (x_lo, y_hi))
 
     def ref_vec(row):
       i = ref_rows.index(row)
@@ -295,91 +307,100 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
     rows_k = plgpu.broadcasted_iota(jnp.int32, (c, kd), 0, layout=_L.WGMMA)
     rows_c = plgpu.broadcasted_iota(jnp.int32, (c, c), 0, layout=_L.WGMMA)
     cols_c = plgpu.broadcasted_iota(jnp.int32, (c, c), 1, layout=_L.WGMMA)
-    # q, k rescaled by exp(G - r_row), r_row = G at the first token of the row's sub-chunk
-    gam = plgpu.load(g_s, layout=_L.WGMMA)
-    rref = jnp.zeros((c, kd), f32)
-    for a in range(ns):
-      in_a = (rows_k >= a * _SUB) & (rows_k < (a + 1) * _SUB)
-      rref = jnp.where(in_a, lax.broadcast_in_dim(ref_vec(a * _SUB), (c, kd), [1]), rref)
-    rowexp = jnp.exp(gam - rref)
-    t1[...] = (plgpu.load(q_s, layout=_L.WGMMA).astype(f32) * rowexp).astype(bf)
-    t2[...] = (plgpu.load(k_s, layout=_L.WGMMA).astype(f32) * rowexp).astype(bf)
-    a_qk = jnp.zeros((c, c), f32)
-    a_kk = jnp.zeros((c, c), f32)
-    for a in range(ns):
+    with jax.named_scope("a_matrices"):
+      # q, k rescaled by exp(G - r_row), r_row = G at the first token of the row's sub-chunk
       gam = plgpu.load(g_s, layout=_L.WGMMA)
-      kf = plgpu.load(k_s, layout=_L.WGMMA).astype(f32)
-      expo = jnp.minimum(lax.broadcast_in_dim(ref_vec(a * _SUB), (c, kd), [1]) - gam,
-                         _EXP_CLAMP)
-      # keys after sub-chunk a never meet its rows (causal); zero them so no exp(85)-sized
-      # products (inf after the 64-term sum) appear even in discarded entries
-      t3[...] = jnp.where(rows_k < (a + 1) * _SUB, kf * jnp.exp(expo), 0.0).astype(bf)
+      rref = jnp.zeros((c, kd), f32)
+      for a in range(ns):
+        in_a = (rows_k >= a * _SUB) & (rows_k < (a + 1) * _SUB)
+        rref = jnp.where(in_a, lax.broadcast_in_dim(ref_vec(a * _SUB), (c, kd), [1]), rref)
+      rowexp = jnp.exp(gam - rref)
+      t1[...] = (plgpu.load(q_s, layout=_L.WGMMA).astype(f32) * rowexp).astype(bf)
+      t2[...] = (plgpu.load(k_s, layout=_L.WGMMA).astype(f32) * rowexp).astype(bf)
+      a_qk = jnp.zeros((c, c), f32)
+      a_kk = jnp.zeros((c, c), f32)
+      for a in range(ns):
+        gam = plgpu.load(g_s, layout=_L.WGMMA)
+        kf = plgpu.load(k_s, layout=_L.WGMMA).astype(f32)
+        expo = jnp.minimum(lax.broadcast_in_dim(ref_vec(a * _SUB), (c, kd), [1]) - gam,
+                           _EXP_CLAMP)
+        # keys after sub-chunk a never meet its rows (causal); zero them so no exp(85)-sized
+        # products (inf after the 64-term sum) appear even in discarded entries
+        t3[...] = jnp.where(rows_k < (a + 1) * _SUB, kf * jnp.exp(expo), 0.0).astype(bf)
+        plgpu.commit_smem()
+        keys = t3.transpose((1, 0))
+        mine = (rows_c >= a * _SUB) & (rows_c < (a + 1) * _SUB)
+        p_qk, p_kk = _mm(((c, c), (t1, keys)), ((c, c), (t2, keys)))
+        a_qk = jnp.where(mine, p_qk, a_qk)
+        a_kk = jnp.where(mine, p_kk, a_kk)
+    with jax.named_scope("qg_kg_out"):
+      a_qk = jnp.where(cols_c <= rows_c, a_qk, 0.0)
+      m1[...] = a_qk.astype(bf)
+      beta_r = lax.broadcast_in_dim(plgpu.load(b_s, layout=_L.WGMMA.reduce(1)), (c, c), [0])
+      nmat = jnp.where(cols_c < rows_c, a_kk, 0.0) * beta_r           # strictly lower
+      # stage outputs that need only G, q, k: qg, kg, gl
+      gam = plgpu.load(g_s, layout=_L.WGMMA)
+      glast = ref_vec(c - 1)
+      t1[...] = (plgpu.load(q_s, layout=_L.WGMMA).astype(f32) * jnp.exp(gam)).astype(bf)
+      t2[...] = (plgpu.load(k_s, layout=_L.WGMMA).astype(f32)
+                 * jnp.exp(lax.broadcast_in_dim(glast, (c, kd), [1]) - gam)).astype(bf)
+      gl_s[...] = jnp.exp(glast)
       plgpu.commit_smem()
-      keys = t3.transpose((1, 0))
-      mine = (rows_c >= a * _SUB) & (rows_c < (a + 1) * _SUB)
-      a_qk = jnp.where(mine, mm(t1, keys, c), a_qk)
-      a_kk = jnp.where(mine, mm(t2, keys, c), a_kk)
-    a_qk = jnp.where(cols_c <= rows_c, a_qk, 0.0)
-    m1[...] = a_qk.astype(bf)
-    beta_r = lax.broadcast_in_dim(plgpu.load(b_s, layout=_L.WGMMA.reduce(1)), (c, c), [0])
-    nmat = jnp.where(cols_c < rows_c, a_kk, 0.0) * beta_r           # strictly lower
-    # stage outputs that need only G, q, k: qg, kg, gl
-    gam = plgpu.load(g_s, layout=_L.WGMMA)
-    glast = ref_vec(c - 1)
-    t1[...] = (plgpu.load(q_s, layout=_L.WGMMA).astype(f32) * jnp.exp(gam)).astype(bf)
-    t2[...] = (plgpu.load(k_s, layout=_L.WGMMA).astype(f32)
-               * jnp.exp(lax.broadcast_in_dim(glast, (c, kd), [1]) - gam)).astype(bf)
-    gl_s[...] = jnp.exp(glast)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(m1, a_ref.at[ch, h])
-    plgpu.copy_smem_to_gmem(t1, qg_ref.at[ch, h])
-    plgpu.copy_smem_to_gmem(t2, kg_ref.at[ch, h])
-    plgpu.copy_smem_to_gmem(gl_s, gl_ref.at[ch, h])
-    # T = (I + N)^-1 = (I - N) prod_m (I + N^(2^m)); m1/m2 hold P (hi/lo), m3/m4 M as the B
-    # operand and m5/m6 the same M as the A operand (one ref cannot be both of a wgmma)
-    eye = jnp.where(cols_c == rows_c, 1.0, 0.0).astype(f32)
-    pmat = eye - nmat
-    mmat = nmat
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)                # m1, t1, t2 free again
-    def store_m(mmat):
-      y_hi, y_lo = _split(mmat)
-      m3[...] = y_hi
-      m4[...] = y_lo
-      m5[...] = y_hi
-      m6[...] = y_lo
+      plgpu.copy_smem_to_gmem(m1, a_ref.at[ch, h])
+      plgpu.copy_smem_to_gmem(t1, qg_ref.at[ch, h])
+      plgpu.copy_smem_to_gmem(t2, kg_ref.at[ch, h])
+      plgpu.copy_smem_to_gmem(gl_s, gl_ref.at[ch, h])
+    with jax.named_scope("inverse"):
+      # T = (I + N)^-1 = (I - N) prod_m (I + N^(2^m)), m = 1..5; m1/m2 hold P (hi/lo), m3/m4
+      # M = N^(2^m) as the B operand and m5/m6 the same M as the A operand (one ref cannot be
+      # both of a wgmma). P (I + M) and the next M @ M depend only on M: one wait for both.
+      eye = jnp.where(cols_c == rows_c, 1.0, 0.0).astype(f32)
+      pmat = eye - nmat
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)                # m1, t1, t2 free again
+      def store(mmat, pmat=None):
+        y_hi, y_lo = _split(mmat)
+        m3[...] = y_hi
+        m4[...] = y_lo
+        m5[...] = y_hi
+        m6[...] = y_lo
+        if pmat is not None:
+          x_hi, x_lo = _split(pmat)
+          m1[...] = x_hi
+          m2[...] = x_lo
+        plgpu.commit_smem()
 
-    store_m(mmat)
-    for _ in range(5):
-      plgpu.commit_smem()
-      mmat = mm3(m5, m6, m3, m4, c)                                  # M <- M @ M
-      store_m(mmat)
+      store(nmat)
+      (mmat,) = _mm(split3(m5, m6, m3, m4, c))                         # M = N^2
+      for m in range(1, 6):
+        store(mmat, pmat)
+        if m < 5:
+          dp, mmat = _mm(split3(m1, m2, m3, m4, c), split3(m5, m6, m3, m4, c))
+        else:
+          (dp,) = _mm(split3(m1, m2, m3, m4, c))
+        pmat = pmat + dp                                               # P <- P (I + M)
       x_hi, x_lo = _split(pmat)
       m1[...] = x_hi
       m2[...] = x_lo
+    with jax.named_scope("w_u_out"):
+      beta_k = lax.broadcast_in_dim(plgpu.load(b_s, layout=_L.WGMMA.reduce(1)), (c, kd), [0])
+      gam = plgpu.load(g_s, layout=_L.WGMMA)
+      r_hi, r_lo = _split(beta_k * jnp.exp(gam) * plgpu.load(k_s, layout=_L.WGMMA).astype(f32))
+      t1[...] = r_hi
+      t2[...] = r_lo
       plgpu.commit_smem()
-      pmat = pmat + mm3(m1, m2, m3, m4, c)                           # P <- P (I + M)
-    x_hi, x_lo = _split(pmat)
-    m1[...] = x_hi
-    m2[...] = x_lo
-    beta_k = lax.broadcast_in_dim(plgpu.load(b_s, layout=_L.WGMMA.reduce(1)), (c, kd), [0])
-    gam = plgpu.load(g_s, layout=_L.WGMMA)
-    r_hi, r_lo = _split(beta_k * jnp.exp(gam) * plgpu.load(k_s, layout=_L.WGMMA).astype(f32))
-    t1[...] = r_hi
-    t2[...] = r_lo
-    plgpu.commit_smem()
-    w = mm3(m1, m2, t1, t2, kd)                                      # w = T exp(G) k
-    t3[...] = w.astype(bf)
-    beta_v = lax.broadcast_in_dim(plgpu.load(b_s, layout=_L.WGMMA.reduce(1)), (c, vd), [0])
-    r_hi, r_lo = _split(beta_v * plgpu.load(v_s, layout=_L.WGMMA).astype(f32))
-    t1[...] = r_hi
-    t2[...] = r_lo
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(t3, w_ref.at[ch, h])
-    u = mm3(m1, m2, t1, t2, vd)                                      # u = T v
-    g_s[...] = u
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(g_s, u_ref.at[ch, h])
-    plgpu.wait_smem_to_gmem(0)
+      (w,) = _mm(split3(m1, m2, t1, t2, kd))                            # w = T exp(G) k
+      t3[...] = w.astype(bf)
+      beta_v = lax.broadcast_in_dim(plgpu.load(b_s, layout=_L.WGMMA.reduce(1)), (c, vd), [0])
+      r_hi, r_lo = _split(beta_v * plgpu.load(v_s, layout=_L.WGMMA).astype(f32))
+      t1[...] = r_hi
+      t2[...] = r_lo
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(t3, w_ref.at[ch, h])
+      (u,) = _mm(split3(m1, m2, t1, t2, vd))                            # u = T v
+      g_s[...] = u
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(g_s, u_ref.at[ch, h])
+      plgpu.wait_smem_to_gmem(0)
 
   sw_k, sw_c = _swizzled(bf, kd), _swizzled(bf, c)
   scratch = {
@@ -408,7 +429,7 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
               jax.ShapeDtypeStruct((nct, hv, c, c), bf),      # a_qk
               jax.ShapeDtypeStruct((nct, hv, kd), f32))       # exp(G_last)
   call = plgpu.kernel(
-      body, out_type=out_type, scratch_types=scratch,
+      kda_intra, out_type=out_type, scratch_types=scratch,
       grid=(hv, nct), grid_names=("h", "c"),
       compiler_params=plgpu.CompilerParams(approx_math=False),
       **interpret_kwargs(interpret))
@@ -443,8 +464,8 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
   f32, bf = jnp.float32, jnp.bfloat16
   has_init = init is not None
 
-  def body(*refs, w_smem, qg_smem, kg_smem, a_smem, u_smem, gl_smem, s_smem, vn_smem,
-           o_smem, sf_smem, bar, ibar):
+  def kda_scan(*refs, w_smem, qg_smem, kg_smem, a_smem, u_smem, gl_smem, s_smem, vn_smem,
+               o_smem, sf_smem, bar, ibar):
     refs = list(refs)
     w_ref, qg_ref, kg_ref, u_ref, a_ref, gl_ref, cs_ref, nc_ref, len_ref = refs[:9]
     refs = refs[9:]
@@ -480,18 +501,6 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
     else:
       s0 = plgpu.layout_cast(jnp.zeros((kd, vt), f32), _L.WGMMA)
 
-    def mm(a_op, b_op, shape=(c, vt)):
-      """a_op @ b_op on the tensor cores into a fresh fp32 accumulator.
-
-      (Accumulating into an existing value with pl.run_state(ACC.init(x)) would save one
-      register add, but Mosaic GPU interpret mode cannot run it, and the tests must run
-      the same code as the GPU.)"""
-      def run(acc_ref):
-        plgpu.wgmma(acc_ref, a_op, b_op)
-        plgpu.wgmma_wait(0)
-        return acc_ref[...]
-      return pl.run_scoped(run, plgpu.ACC(shape, f32))
-
     def step(i, s):
       slot = lax.rem(i, 2)
 
@@ -502,16 +511,16 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
       plgpu.barrier_wait(bar.at[slot])
       s_smem[...] = s.astype(bf)
       plgpu.commit_smem()
-      ws = mm(w_smem.at[slot], s_smem)                              # W S      [C,Vt]
-      og = mm(qg_smem.at[slot], s_smem)                             # Qg S     [C,Vt]
+      ws, og = _mm(((c, vt), (w_smem.at[slot], s_smem)),          # W S      [C,Vt]
+                   ((c, vt), (qg_smem.at[slot], s_smem)))         # Qg S     [C,Vt]
       vn = plgpu.load(u_smem.at[slot], layout=_L.WGMMA) - ws        # v_new    [C,Vt]
       vn_smem[...] = vn.astype(bf)
       plgpu.commit_smem()
-      o = og + mm(a_smem.at[slot], vn_smem)                         # + A v_new
+      av, kv = _mm(((c, vt), (a_smem.at[slot], vn_smem)),          # A v_new
+                   ((kd, vt), (kg_smem.at[slot].transpose((1, 0)), vn_smem)))  # Kg^T v_new
+      o = og + av
       glv = plgpu.load(gl_smem.at[slot], layout=_L.WGMMA.reduce(1))
-      s = s * lax.broadcast_in_dim(glv, (kd, vt), [0])
-      s = s + mm(kg_smem.at[slot].transpose((1, 0)), vn_smem,      # + Kg^T v_new
-                 shape=(kd, vt))
+      s = s * lax.broadcast_in_dim(glv, (kd, vt), [0]) + kv
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       o_smem[...] = o.astype(out_dtype)
       plgpu.commit_smem()
@@ -560,7 +569,7 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
   if every:
     args.append(ck_off)
   call = plgpu.kernel(
-      body, out_type=tuple(out_type), scratch_types=scratch,
+      kda_scan, out_type=tuple(out_type), scratch_types=scratch,
       grid=(vd // vt, hv, n), grid_names=("vt", "h", "n"),
       compiler_params=plgpu.CompilerParams(approx_math=False),
       **interpret_kwargs(interpret))

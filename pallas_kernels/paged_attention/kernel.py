@@ -251,9 +251,9 @@ def _paged_call(qs, k_pages, v_pages, page_table, kv_lens, *, num_splits,
   ns = num_stages
   nsplit = num_splits
 
-  def body(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, lse_ref,
-           q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem,
-           q_bar, k_bar, v_bar):
+  def paged_decode_attention(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, lse_ref,
+                             q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem,
+                             q_bar, k_bar, v_bar):
     h = lax.axis_index("head")
     s = lax.axis_index("split")
     b = lax.axis_index("batch")
@@ -391,7 +391,7 @@ def _paged_call(qs, k_pages, v_pages, page_table, kv_lens, *, num_splits,
       jax.ShapeDtypeStruct((batch, num_kv_heads, nsplit, group_p), jnp.float32),
   )
   call = plgpu.kernel(
-      body,
+      paged_decode_attention,
       out_type=out_type,
       scratch_types=scratch,
       grid=(num_kv_heads, nsplit, batch),

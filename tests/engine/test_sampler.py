@@ -33,7 +33,7 @@ def test_top_k_top_p_min_p_restrict_the_support():
 
 
 def test_logprobs_are_of_the_unmodified_distribution():
-    sa = SamplingArrays.from_params([SamplingParams(temperature=0.5, top_k=1)], [0], 1)
+    sa = SamplingArrays.from_params([SamplingParams(temperature=0.5, top_k=1, logprobs=4)], [0], 1)
     tok, lp, top_ids, top_lp = sample(LOGITS, sa, jnp.zeros((1,), jnp.int32))
     assert int(tok[0]) == 0
     np.testing.assert_allclose(float(lp[0]), np.log(0.5), rtol=1e-5)
@@ -46,3 +46,17 @@ def test_samples_depend_on_seed_and_token_index_only():
     b = draw(SamplingParams(temperature=1.0, seed=5), n=64)
     c = draw(SamplingParams(temperature=1.0, seed=6), n=64)
     assert (a == b).all() and (a != c).any()
+
+
+def test_alternatives_are_computed_only_when_a_row_asks():
+    logits = jnp.repeat(LOGITS, 2, 0)
+    idx = jnp.zeros((2,), jnp.int32)
+    off = SamplingArrays.from_params([SamplingParams(temperature=0.0)] * 2, [0, 0], 2)
+    tok, lp, top_ids, top_lp = jax.jit(sample)(logits, off, idx)
+    assert (np.asarray(top_ids) == 0).all() and (np.asarray(top_lp) == 0).all()
+    np.testing.assert_allclose(np.asarray(lp), np.log(0.5), rtol=1e-5)     # the sampled logprob stays
+    mixed = SamplingArrays.from_params([SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=2)],
+                                       [0, 0], 2)
+    _, _, top_ids, top_lp = jax.jit(sample)(logits, mixed, idx)
+    assert list(np.asarray(top_ids[1])) == [0, 1, 2, 3]
+    np.testing.assert_allclose(np.exp(np.asarray(top_lp[1])), [0.5, 0.25, 0.15, 0.1], rtol=1e-5)

@@ -47,14 +47,17 @@ class SparseMLA(nnx.Module):
                                                      batch.valid, batch.page_table)
         mask = self.indexer.select(x, qr, index, batch.positions, batch.page_table)          # [B, T, S]
         lat = latent_pool[batch.page_table].reshape(b, -1, kl)                               # [B, S, kl]
-        wkv = self.kv_b_proj.dense_weight(jnp.float32).reshape(h, nope + vd, kl)         # dequantized if quantized
-        q_abs = jnp.einsum("bthn,hnc->bthc", q.astype(jnp.float32), wkv[:, :nope].astype(jnp.float32),
-                           precision=jax.lax.Precision.HIGHEST)
-        s = jnp.einsum("bthc,bsc->bhts", q_abs, lat.astype(jnp.float32),
-                       precision=jax.lax.Precision.HIGHEST) * nope ** -0.5
+        # Products take the model dtype as operands with fp32 accumulation (bf16 models: tensor
+        # cores, as FlashMLA; float32 models: exact fp32, the parity configuration). Softmax is fp32.
+        exact = x.dtype == jnp.float32
+        op, prec, f32 = x.dtype, (jax.lax.Precision.HIGHEST if exact else None), jnp.float32
+        mm = lambda spec, a, w: jnp.einsum(spec, a.astype(op), w, precision=prec, preferred_element_type=f32)
+        wkv = self.kv_b_proj.dense_weight(op).reshape(h, nope + vd, kl)                   # dequantized if quantized
+        lat = lat.astype(op)
+        q_abs = mm("bthn,hnc->bthc", q, wkv[:, :nope])
+        s = mm("bthc,bsc->bhts", q_abs, lat) * nope ** -0.5
         s = jnp.where(mask[:, None], s, _MASKED)
         p = jax.nn.softmax(s, axis=-1)
-        o_lat = jnp.einsum("bhts,bsc->bthc", p, lat.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-        o = jnp.einsum("bthc,hvc->bthv", o_lat, wkv[:, nope:].astype(jnp.float32),
-                       precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+        o_lat = mm("bhts,bsc->bthc", p, lat)
+        o = mm("bthc,hvc->bthv", o_lat, wkv[:, nope:]).astype(x.dtype)
         return self.o_proj(o.reshape(b, t, h * vd)), latent_pool, index, tail_pool

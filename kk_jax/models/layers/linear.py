@@ -296,7 +296,17 @@ def _check_tp_layout(method, n, k, axes, mesh, block) -> None:
 
 
 # ---------------------------------------------------------------------- the matmul
+# Row count from which the weight-only (W8A16 / W4A16) layers dequantize the weight and run
+# XLA's bf16 dot instead of the Pallas dequantizing kernels: one H200 run of
+# benchmarks/bench_quant_matmul.py (4096 x 4096, 2026-11-30) timed the kernels 1.5-2.3x
+# faster than dequantize-then-dot at M <= 64, even at M = 2048 and 1.7-2.1x slower at
+# M = 8192. Prefill chunks take the faster path; decode always runs the kernels.
+KERNEL_MAX_ROWS = 1024
+
+
 def _kernel_call(method, x2, ops, *, block, backend, act_quant, interpret, out_dtype):
+    if backend == "pallas" and not act_quant and x2.shape[0] >= KERNEL_MAX_ROWS:
+        backend = "xla"
     if method == "fp8_block":
         from pallas_kernels import fp8_block
         return fp8_block.matmul(x2, *ops, block=block, act_quant=act_quant, backend=backend, out_dtype=out_dtype,
