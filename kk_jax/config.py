@@ -233,6 +233,8 @@ class EngineConfig:
     seed: int = 0
     compilation_cache_dir: str | None = None
     load_mtp: bool = False                # also load the model's MTP (NextN) block, for speculative decoding
+    fp8_activations: bool = False         # block-FP8 linears run W8A8 (activations to e4m3 per 1x128 group,
+                                          # the release's reference numerics); off = W8A16, closer to bf16
 
     def __post_init__(self):
         if self.max_model_len < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -29,13 +29,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kk_jax.cache.pools import CacheLayout, SlotSpec, allocate_pools, bytes_per_page, pool_sharding, zero_slots
 from kk_jax.checkpoint.loader import TensorSpec, load_params, random_params, tensor_spec
-from kk_jax.config import EngineConfig
+from kk_jax.config import ConfigError, EngineConfig
 from kk_jax.engine.request import MAX_LOGPROBS
 from kk_jax.engine.sampler import SamplingArrays, sample
 from kk_jax.models.attention.paged import AttentionBatch
 from kk_jax.models.layers.linear import prepare_linears
 from kk_jax.models.layers.moe import prepare_experts
 from kk_jax.parallel.mesh import check_divisible, sharding
+from kk_jax.quant.config import detect
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,16 @@ class Sampled:
     top_logprobs: list[list[float]]
 
 
+def check_fp8_activations(model_dir: Path | None) -> None:
+    """W8A8 applies to block-FP8 weights only: refuse the flag for any other checkpoint."""
+    qcfg = detect(model_dir) if model_dir is not None else None
+    if qcfg is None or qcfg.method != "fp8_block":
+        what = "random weights" if model_dir is None else (f"a {qcfg.method} checkpoint" if qcfg else
+                                                           "an unquantized checkpoint")
+        raise ConfigError(f"fp8_activations (W8A8) needs a block-FP8 checkpoint "
+                          f"(quantization_config.quant_method 'fp8' with weight_block_size); got {what}")
+
+
 class ModelRunner:
     def __init__(self, model_cls, model_cfg, model_dir: Path | None, dtype, cfg: EngineConfig, mesh: Mesh,
                  progress: bool = True, random_weights_seed: int | None = None):
@@ -172,8 +183,11 @@ class ModelRunner:
             raise ValueError(f"{model_cls.__name__} has no MTP block; drop load_mtp")
         extra = {"mtp": True} if cfg.load_mtp else {}        # MTP block: built, loaded and cached
         # quantized linears and routed experts (block FP8 / MXFP8 / NVFP4) as the checkpoint declares them
+        if cfg.fp8_activations:
+            check_fp8_activations(model_dir)
         abstract = nnx.eval_shape(lambda: prepare_experts(prepare_linears(
-            model_cls(model_cfg, dtype, **extra), model_dir, backend=self.backend, mesh=mesh), model_dir, mesh=mesh))
+            model_cls(model_cfg, dtype, **extra), model_dir, backend=self.backend, mesh=mesh,
+            act_quant=cfg.fp8_activations), model_dir, mesh=mesh))
         self.graphdef, state = nnx.split(abstract)
         flat = nnx.to_flat_state(state)
         expected, stacks = checkpoint_tensors(flat)

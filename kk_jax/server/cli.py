@@ -28,6 +28,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-steps", type=int, default=8, help="decode steps per device call")
     ap.add_argument("--kernel-backend", default="auto", choices=["auto", "pallas", "xla"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fp8-activations", action="store_true",
+                    help="block-FP8 checkpoints: W8A8 (activations quantized to e4m3 per 1x128 group, the release's "
+                         "reference numerics) instead of the default W8A16")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     ap.add_argument("--profile-dir", default=None, help="where POST /start_profile writes jax.profiler traces")
     ap.add_argument("--max-request-body-bytes", type=int, default=8 << 20)
@@ -47,7 +50,8 @@ def build(args):
                           max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
                           num_pages=args.num_pages, gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_dtype=args.kv_cache_dtype, tp=args.tp, decode_steps=args.decode_steps,
-                          kernel_backend=args.kernel_backend, seed=args.seed)
+                          kernel_backend=args.kernel_backend, seed=args.seed,
+                          fp8_activations=args.fp8_activations)
     engine = LLMEngine(model, dtype=args.dtype, config=config)
     for kind, b, t, secs in engine.warmup_report:
         logging.getLogger("kk_jax").info("compiled %-7s batch=%-3d tokens=%-4d %.2fs", kind, b, t, secs)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kk_jax.models.layers.mhc import mhc_post, mhc_pre
-from kk_jax.models.layers.moe import grouped_experts, route
+from kk_jax.models.layers.moe import grouped_experts, route, routed_subset
 
 
 def np_mhc(x, fn, base, scale, hc, iters, eps, rms_eps):
@@ -82,6 +82,27 @@ def test_grouped_experts_match_dense_numpy():
             h = silu(np.minimum(x[r] @ gate[ex], limit)) * np.clip(x[r] @ up[ex], -limit, limit)
             want[r] += wt[r, j] * (h @ down[ex])
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_routed_subset_gives_the_same_experts_output():
+    """Decode with quantized experts gathers only the routed experts: same output as all E,
+    including when one expert appears in several rows and when E - 1 (the padding id) is used."""
+    rng = np.random.default_rng(3)
+    n, d, i, e, k, limit = 3, 8, 6, 16, 2, 1.5
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    gate, up = (rng.standard_normal((e, d, i)).astype(np.float32) for _ in range(2))
+    down = rng.standard_normal((e, i, d)).astype(np.float32)
+    wt = rng.random((n, k)).astype(np.float32)
+    for idx in ([[5, 2], [2, 9], [15, 5]], [[1, 0], [0, 1], [1, 0]]):
+        idx = jnp.asarray(idx, jnp.int32)
+        local, ids = routed_subset(idx, e)
+        assert local.shape == idx.shape and ids.shape == (n * k,)
+        np.testing.assert_array_equal(np.asarray(ids)[np.asarray(local)], np.asarray(idx))
+        full = grouped_experts(jnp.asarray(x), idx, jnp.asarray(wt), jnp.asarray(gate), jnp.asarray(up),
+                               jnp.asarray(down), limit)
+        sub = grouped_experts(jnp.asarray(x), local, jnp.asarray(wt), jnp.asarray(gate)[ids], jnp.asarray(up)[ids],
+                              jnp.asarray(down)[ids], limit)
+        np.testing.assert_allclose(np.asarray(sub), np.asarray(full), rtol=1e-6, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

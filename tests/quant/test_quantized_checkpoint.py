@@ -170,3 +170,17 @@ def test_cli(tiny_ckpt, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "model.layers.0.self_attn.q_proj.weight has in_features 48, not a multiple of 32 (mxfp8)" in err
     assert "add --exclude model.layers.0.self_attn.q_proj" in err
+
+
+def test_fp8_activations_switch_block_fp8_linears_to_w8a8(quantized, tiny_ckpt):
+    """W8A8 is opt-in: it changes the numerics (activations rounded to e4m3 per 1x128 group) but
+    stays close to the default W8A16; any checkpoint that is not block FP8 refuses the flag."""
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=0)
+    w8a16 = LLM(quantized["fp8_block"], **SMALL).generate([PROMPT], params)[0].logprobs
+    w8a8 = LLM(quantized["fp8_block"], fp8_activations=True, **SMALL).generate([PROMPT], params)[0].logprobs
+    first16, first8 = w8a16[0].logprob, w8a8[0].logprob
+    assert first16 != first8 and abs(first16 - first8) < 0.05
+    with pytest.raises(ConfigError, match="needs a block-FP8 checkpoint .* got a mxfp8 checkpoint"):
+        LLM(quantized["mxfp8"], fp8_activations=True, **SMALL)
+    with pytest.raises(ConfigError, match="got an unquantized checkpoint"):
+        LLM(tiny_ckpt, fp8_activations=True, **SMALL)
