@@ -9,28 +9,28 @@ from typing import Iterable, Sequence
 
 import jax
 
-from kk_jax.checkpoint.default import default_model_dir
+from kk_jax.checkpoint.default import batch_limits, default_model_dir
 from kk_jax.config import EngineConfig
 from kk_jax.engine.core import LLMEngine
 from kk_jax.engine.request import RequestOutput, SamplingParams
 
 
 class LLM:
-    """Loads a checkpoint (default: the embedded tiny Qwen3) and generates.
+    """Loads a checkpoint (default: the embedded tiny GLM-5.3, see kk_jax.checkpoint.default) and generates.
 
     >>> llm = LLM()
     >>> llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0))[0].text
     """
 
     def __init__(self, model: str | Path | None = None, *, tp: int = 1, dtype: str = "auto",
-                 max_model_len: int = 2048, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 max_model_len: int = 2048, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None,
                  num_pages: int | None = None, gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto",
                  page_size: int = 16, decode_steps: int = 8, kernel_backend: str = "auto", seed: int = 0,
                  load_mtp: bool = False, fp8_activations: bool = False, profile_dir: str | Path | None = None,
                  progress: bool = True):
-        config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
-                              num_pages=num_pages, gpu_memory_utilization=gpu_memory_utilization,
+        limits = batch_limits(model, max_num_seqs, max_num_batched_tokens)
+        config = EngineConfig(max_model_len=max_model_len, **limits, page_size=page_size, num_pages=num_pages, gpu_memory_utilization=gpu_memory_utilization,
                               kv_cache_dtype=kv_cache_dtype, tp=tp, decode_steps=decode_steps,
                               kernel_backend=kernel_backend, seed=seed, load_mtp=load_mtp,
                               fp8_activations=fp8_activations)

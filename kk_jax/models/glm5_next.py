@@ -79,7 +79,7 @@ class Glm5DecoderLayer(nnx.Module):
         else:
             index = (pools[p + "index_k"], pools.get(p + "index_k_scale"))
             y, pools[p + "latent"], index, pools[p + "index_tail"] = self.self_attn(
-                h, pools[p + "latent"], index, pools[p + "index_tail"], batch)
+                h, pools[p + "latent"], index, pools[p + "index_tail"], batch, ops.backend)
             pools[p + "index_k"] = index[0]
             if index[1] is not None:
                 pools[p + "index_k_scale"] = index[1]
@@ -123,7 +123,7 @@ class Glm5MTP(nnx.Module):
         x = self.eh_proj(jnp.concatenate([self.enorm(emb), self.hnorm(h)], axis=-1))
         index = (pools[p + "index_k"], pools.get(p + "index_k_scale"))
         a, pools[p + "latent"], index, pools[p + "index_tail"] = self.self_attn(
-            self.input_layernorm(x), pools[p + "latent"], index, pools[p + "index_tail"], batch)
+            self.input_layernorm(x), pools[p + "latent"], index, pools[p + "index_tail"], batch, ops.backend)
         pools[p + "index_k"] = index[0]
         if index[1] is not None:
             pools[p + "index_k_scale"] = index[1]

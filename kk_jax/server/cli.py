@@ -11,7 +11,7 @@ from kk_jax.config import EngineConfig
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="serve.py", description="OpenAI-compatible kk_jax server")
-    ap.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded tiny Qwen3)")
+    ap.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded tiny GLM-5.3)")
     ap.add_argument("--served-model-name", nargs="+", default=None,
                     help="name(s) clients use in `model` (default: the --model argument)")
     ap.add_argument("--host", default="127.0.0.1")
@@ -19,8 +19,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="default 64 (8 for the embedded demo model)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="default 512 (128 for the embedded demo model)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from --gpu-memory-utilization)")
     ap.add_argument("--page-size", type=int, default=16)
@@ -40,14 +42,14 @@ def parser() -> argparse.ArgumentParser:
 
 def build(args):
     """Loads the model, warms every bucket up and returns (app, async engine)."""
-    from kk_jax.checkpoint.default import default_model_dir
+    from kk_jax.checkpoint.default import SERVED_NAME, batch_limits, default_model_dir
     from kk_jax.engine.async_engine import AsyncEngine
     from kk_jax.engine.core import LLMEngine
     from kk_jax.server.app import ServerConfig, create_app
 
     model = args.model or str(default_model_dir())
-    config = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
+    limits = batch_limits(args.model, args.max_num_seqs, args.max_num_batched_tokens)
+    config = EngineConfig(max_model_len=args.max_model_len, **limits, page_size=args.page_size,
                           num_pages=args.num_pages, gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_dtype=args.kv_cache_dtype, tp=args.tp, decode_steps=args.decode_steps,
                           kernel_backend=args.kernel_backend, seed=args.seed,
@@ -55,7 +57,7 @@ def build(args):
     engine = LLMEngine(model, dtype=args.dtype, config=config)
     for kind, b, t, secs in engine.warmup_report:
         logging.getLogger("kk_jax").info("compiled %-7s batch=%-3d tokens=%-4d %.2fs", kind, b, t, secs)
-    names = tuple(args.served_model_name or [args.model or "kk_jax/tiny-qwen3"])
+    names = tuple(args.served_model_name or [args.model or SERVED_NAME])
     cfg = ServerConfig(served_model_names=names, model_path=model, max_model_len=args.max_model_len,
                        api_key=args.api_key, profile_dir=args.profile_dir, max_body_bytes=args.max_request_body_bytes)
     async_engine = AsyncEngine(engine)

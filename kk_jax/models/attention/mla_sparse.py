@@ -34,9 +34,9 @@ class SparseMLA(nnx.Module):
         self.o_proj = Linear(h * self.vd, d, dtype, axes=("embed", "heads"))
         self.indexer = PooledIndexer(cfg, dtype)
 
-    def __call__(self, x, latent_pool, index, tail_pool, batch):
+    def __call__(self, x, latent_pool, index, tail_pool, batch, backend: str = "xla"):
         """x [B, T, D]; index = (pooled keys, fp8 scales or None) -> (out [B, T, D], latent_pool,
-        index, tail_pool)."""
+        index, tail_pool). ``backend`` "pallas" (GPU) multiplies bf16 operands on the tensor cores."""
         b, t, _ = x.shape
         h, nope, vd, kl = self.h, self.nope, self.vd, self.kl
         qr = self.q_a_layernorm(self.q_a_proj(x))                                            # [B, T, ql]
@@ -47,13 +47,16 @@ class SparseMLA(nnx.Module):
                                                      batch.valid, batch.page_table)
         mask = self.indexer.select(x, qr, index, batch.positions, batch.page_table)          # [B, T, S]
         lat = latent_pool[batch.page_table].reshape(b, -1, kl)                               # [B, S, kl]
-        # Products take the model dtype as operands with fp32 accumulation (bf16 models: tensor
-        # cores, as FlashMLA; float32 models: exact fp32, the parity configuration). Softmax is fp32.
-        exact = x.dtype == jnp.float32
-        op, prec, f32 = x.dtype, (jax.lax.Precision.HIGHEST if exact else None), jnp.float32
+        # Products take operands rounded to the model dtype with fp32 accumulation: on the GPU
+        # backend bf16 operands run on the tensor cores (as FlashMLA); float32 models, and the
+        # xla backend (XLA:CPU has no bf16 x bf16 -> f32 batched dot), multiply in exact fp32.
+        # Softmax is fp32.
+        exact = x.dtype == jnp.float32 or backend != "pallas"
+        f32 = jnp.float32
+        op, prec = (f32, jax.lax.Precision.HIGHEST) if exact else (x.dtype, None)
         mm = lambda spec, a, w: jnp.einsum(spec, a.astype(op), w, precision=prec, preferred_element_type=f32)
-        wkv = self.kv_b_proj.dense_weight(op).reshape(h, nope + vd, kl)                   # dequantized if quantized
-        lat = lat.astype(op)
+        wkv = self.kv_b_proj.dense_weight(x.dtype).astype(op).reshape(h, nope + vd, kl)   # dequantized if quantized
+        lat = lat.astype(x.dtype).astype(op)
         q_abs = mm("bthn,hnc->bthc", q, wkv[:, :nope])
         s = mm("bthc,bsc->bhts", q_abs, lat) * nope ** -0.5
         s = jnp.where(mask[:, None], s, _MASKED)
