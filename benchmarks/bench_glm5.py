@@ -2,17 +2,19 @@
 
 Full width (hidden 4096, 64 KDA heads x 128, MLA 64 heads, 288 experts top-8, indexer 32 x 128)
 at reduced depth (``--layers``, the real 3:1 KDA:DSA pattern, dense first layers), random bf16
-weights drawn on the device. Decode: the fused decode loop over sequences already holding
-``--context`` tokens; reported per step against an HBM roofline (weights actually read — all
-non-expert weights plus the distinct experts the batch routes to, expected value — plus the KV
-the step reads: selected latents, all pooled index keys, KDA state read + write) / 4.2 TB/s.
-Prefill: tokens/s of one ``--prefill-tokens`` chunk.
+weights drawn on the device, routed experts in ``--experts`` format (quantized ones held as
+serving holds them). Decode: the fused decode loop over sequences already holding each
+``--context`` of tokens, every row fed its own random token; reported per step against an HBM
+roofline (weights actually read — all non-expert weights plus the distinct experts the batch
+routes to, expected value under independent routing — plus the KV the step reads: selected
+latents, all pooled index keys, KDA state read + write) / 4.2 TB/s. Prefill: tokens/s of one
+``--prefill-tokens`` chunk of random tokens.
 
 ``--memory-plan`` prints the per-GPU bytes of the full 45-layer model by component (no device
 needed): e.g. 2 x H200 with NVFP4 experts.
 
     python benchmarks/bench_glm5.py --memory-plan --tp 2 --experts nvfp4 --max-seqs 64 --context 32768
-    python benchmarks/bench_glm5.py --layers 4 --batch 1 8 64 --context 8192 --json out.json
+    python benchmarks/bench_glm5.py --layers 8 --experts nvfp4 --batch 1 8 64 --context 8192 32768 --json out.json
     python benchmarks/bench_glm5.py --tiny --batch 1 2 --context 64        # CPU smoke run
 """
 
@@ -94,14 +96,14 @@ def memory_plan(c, tp: int, experts: str, max_seqs: int, context: int, kv_fp8: b
     return plan
 
 
-def step_bytes(c, runner, batch: int, context: int) -> float:
+def step_bytes(c, runner, batch: int, context: int, experts: str = "bf16") -> float:
     """Bytes one decode step reads (expected): see the module docstring."""
     p = layer_params(c)
-    itemsize = 2
-    expert = 3 * c.hidden_size * c.moe_intermediate_size * itemsize
+    itemsize, per_param = 2, EXPERT_BYTES_PER_PARAM[experts]
+    expert = 3 * c.hidden_size * c.moe_intermediate_size * per_param
     distinct = c.n_routed_experts * (1 - (1 - c.num_experts_per_tok / c.n_routed_experts) ** batch)
     n_moe = sum(t == "sparse" for t in c.mlp_layer_types)
-    weights = runner.weight_bytes - sum(p["routed_experts"]) * itemsize + n_moe * distinct * expert
+    weights = runner.weight_bytes - sum(p["routed_experts"]) * per_param + n_moe * distinct * expert
     weights -= c.vocab_size * c.hidden_size * itemsize          # only `batch` embedding rows are read
     n_dsa = sum(t != "linear_attention" for t in c.layer_types)
     n_kda = c.num_hidden_layers - n_dsa
@@ -117,10 +119,29 @@ def emit(rows: list, row: dict) -> None:
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
 
 
-def bench(c, backend: str, batches, context: int, steps: int, iters: int, tp: int, prefill_tokens: int,
-          page_size: int, trace_dir: str | None = None):
+def experts_only_checkpoint(directory, experts: str):
+    """A weightless checkpoint directory whose quantization config quantizes the routed experts
+    (and nothing else) in ``experts`` format, so that random-weight runs hold them as serving
+    does (the GLM-5.3 NVFP4 re-quantization keeps attention, dense and shared MLPs in bf16)."""
+    from kk_jax.quant.config import QuantConfig
+
+    block = (128, 128) if experts == "fp8_block" else (1, 16 if experts == "nvfp4" else 32)
+    exclude = ("*self_attn*", "*shared_experts*", "*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj")
+    qc, hf_quant = QuantConfig(experts, block, exclude).to_hf()
+    (directory / "config.json").write_text(json.dumps({"quantization_config": qc}))
+    if hf_quant is not None:
+        (directory / "hf_quant_config.json").write_text(json.dumps(hf_quant))
+    return directory
+
+
+def bench(c, backend: str, batches, contexts, steps: int, iters: int, tp: int, prefill_tokens: int,
+          page_size: int, experts: str = "bf16", trace_dir: str | None = None):
+    import tempfile
+    from pathlib import Path
+
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from kk_jax.config import EngineConfig
     from kk_jax.engine.request import SamplingParams
@@ -129,57 +150,66 @@ def bench(c, backend: str, batches, context: int, steps: int, iters: int, tp: in
     from kk_jax.parallel.mesh import make_mesh
 
     max_b = max(batches)
-    max_len = context + steps * (iters + 2) + page_size
+    max_len = max(contexts) + steps * (iters + 2) + page_size
     per_seq = math.ceil(max_len / page_size)
     ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_b, max_num_batched_tokens=prefill_tokens,
                         page_size=page_size, num_pages=max_b * per_seq + 1, tp=tp, decode_steps=steps,
                         kernel_backend=backend)
     t0 = time.perf_counter()
-    runner = ModelRunner(Glm5NextForConditionalGeneration, c, None, jnp.bfloat16, ecfg, make_mesh(tp),
+    model_dir = None if experts == "bf16" else experts_only_checkpoint(Path(tempfile.mkdtemp()), experts)
+    runner = ModelRunner(Glm5NextForConditionalGeneration, c, model_dir, jnp.bfloat16, ecfg, make_mesh(tp),
                          progress=False, random_weights_seed=0)
     print(f"runner ready in {time.perf_counter() - t0:.1f} s (weights {runner.weight_bytes / 2**30:.1f} GiB, "
           f"start-up compiles included)", flush=True)
     greedy = SamplingParams(max_tokens=steps, temperature=0.0)
     pages = lambda i: list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))
     rows = []
+    # distinct random tokens: every row routes to its own experts, as real traffic does
+    rng = np.random.default_rng(0)
+    prompt = [int(x) for x in rng.integers(0, c.vocab_size, prefill_tokens)]
+    prefill = lambda: runner.prefill([PrefillRow(prompt, 0, pages(0), 1, greedy, 0, 0)])
     t0 = time.perf_counter()
-    runner.prefill([PrefillRow([1] * prefill_tokens, 0, pages(0), 1, greedy, 0, 0)])
+    prefill()
     first = time.perf_counter() - t0
     t0 = time.perf_counter()
-    runner.prefill([PrefillRow([1] * prefill_tokens, 0, pages(0), 1, greedy, 0, 0)])
+    prefill()
     prefill_s = time.perf_counter() - t0
-    emit(rows, dict(kind="prefill", backend=runner.backend, tokens=prefill_tokens, seconds=prefill_s,
-                    tok_per_s=prefill_tokens / prefill_s, compile_s=first - prefill_s))
+    emit(rows, dict(kind="prefill", backend=runner.backend, experts=experts, tokens=prefill_tokens,
+                    seconds=prefill_s, tok_per_s=prefill_tokens / prefill_s, compile_s=first - prefill_s))
     if trace_dir:
         with jax.profiler.trace(f"{trace_dir}/prefill"):
-            runner.prefill([PrefillRow([1] * prefill_tokens, 0, pages(0), 1, greedy, 0, 0)])
-    for b in batches:
-        drows = [DecodeRow(token=1, position=context, pages=pages(i), slot=i + 1, budget=steps, stop_ids=[],
-                           params=greedy, seed=0, token_index=0) for i in range(b)]
-        runner.decode(drows)
-        host0, t0 = runner.host_seconds, time.perf_counter()
-        for _ in range(iters):
+            prefill()
+    for context in contexts:
+        for b in batches:
+            drows = [DecodeRow(token=int(rng.integers(0, c.vocab_size)), position=context, pages=pages(i),
+                               slot=i + 1, budget=steps, stop_ids=[], params=greedy, seed=0, token_index=0)
+                     for i in range(b)]
             runner.decode(drows)
-        wall = (time.perf_counter() - t0) / (iters * steps)
-        host = (runner.host_seconds - host0) / (iters * steps)
-        roof = step_bytes(c, runner, b, context) / HBM_BYTES_PER_S
-        emit(rows, dict(kind="decode", backend=runner.backend, batch=b, context=context, step_ms=wall * 1e3,
-                        tok_per_s=b / wall, roofline_ms=roof * 1e3, roofline_frac=roof / wall, host_frac=host / wall))
-        if trace_dir and b == max_b:
-            with jax.profiler.trace(f"{trace_dir}/decode"):
+            host0, t0 = runner.host_seconds, time.perf_counter()
+            for _ in range(iters):
                 runner.decode(drows)
+            wall = (time.perf_counter() - t0) / (iters * steps)
+            host = (runner.host_seconds - host0) / (iters * steps)
+            roof = step_bytes(c, runner, b, context, experts) / HBM_BYTES_PER_S
+            emit(rows, dict(kind="decode", backend=runner.backend, experts=experts, batch=b, context=context,
+                            step_ms=wall * 1e3, tok_per_s=b / wall, roofline_ms=roof * 1e3,
+                            roofline_frac=roof / wall, host_frac=host / wall))
+            if trace_dir and b == max_b and context == contexts[-1]:
+                with jax.profiler.trace(f"{trace_dir}/decode"):
+                    runner.decode(drows)
     return rows
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--memory-plan", action="store_true")
-    ap.add_argument("--experts", default="nvfp4", choices=sorted(EXPERT_BYTES_PER_PARAM))
+    ap.add_argument("--experts", default="nvfp4", choices=sorted(EXPERT_BYTES_PER_PARAM),
+                    help="routed-expert format, for the memory plan and the random-weight runs")
     ap.add_argument("--max-seqs", type=int, default=64)
     ap.add_argument("--kv-fp8", action="store_true")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
-    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--context", type=int, nargs="+", default=[8192])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--prefill-tokens", type=int, default=2048)
@@ -192,8 +222,9 @@ def main():
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.memory_plan:
-        plan = memory_plan(flash_config(45), a.tp, a.experts, a.max_seqs, a.context, a.kv_fp8)
-        print(f"GLM-5.3-Flash, 45 layers, tp={a.tp}, experts {a.experts}, {a.max_seqs} x {a.context} tokens, "
+        context = max(a.context)
+        plan = memory_plan(flash_config(45), a.tp, a.experts, a.max_seqs, context, a.kv_fp8)
+        print(f"GLM-5.3-Flash, 45 layers, tp={a.tp}, experts {a.experts}, {a.max_seqs} x {context} tokens, "
               f"KV {'fp8' if a.kv_fp8 else 'bf16'}: per GPU")
         for k, v in plan.items():
             print(f"  {k:45s} {v / GIB:8.2f} GiB")
@@ -202,7 +233,7 @@ def main():
         c = tiny_config() if a.tiny else flash_config(a.layers)
         page = 16 if a.tiny else a.page_size
         result = bench(c, a.backend, a.batch, a.context, a.steps, a.iters, a.tp,
-                       min(a.prefill_tokens, a.context), page, a.trace)
+                       min(a.prefill_tokens, max(a.context)), page, a.experts, a.trace)
         if a.trace:
             from trace_summary import print_summary
             for part in ("prefill", "decode"):
