@@ -85,10 +85,7 @@ class LLMEngine:
             text, ids = None, [int(t) for t in prompt]
         if not ids:
             raise RequestError("the prompt is empty: give at least one token", "prompt")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
+        self.check_token_ids(ids, "prompt", "prompt token ids")
         limit = self.config.max_model_len
         if len(ids) >= limit:
             raise RequestError(f"the prompt has {len(ids)} tokens but this model's maximum context length is "
@@ -97,9 +94,7 @@ class LLMEngine:
             raise RequestError(f"this model's maximum context length is {limit} tokens, but {len(ids)} prompt "
                                f"tokens + max_tokens={params.max_tokens} = {len(ids) + params.max_tokens}; "
                                f"set max_tokens <= {limit - len(ids)}", "max_tokens")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})", "stop_token_ids")
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         stop_ids = self._stop_ids(params)
         if len(stop_ids) > MAX_STOP_IDS:
             raise RequestError(f"at most {MAX_STOP_IDS - len(self.eos_token_ids)} stop_token_ids are supported",
@@ -109,6 +104,13 @@ class LLMEngine:
         self._arrivals += 1
         self._tracked[request_id] = _Tracked(req, self.tokenizer)
         self.scheduler.add(req)
+
+    def check_token_ids(self, ids, param: str, what: str | None = None) -> None:
+        """RequestError naming ``param`` if any id lies outside the vocabulary [0, vocab)."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"{what or param} {bad[:5]} are outside the vocabulary [0, {vocab})", param)
 
     def _stop_ids(self, params: SamplingParams) -> list[int]:
         ids = list(params.stop_token_ids)

@@ -36,10 +36,13 @@ from kk_jax.models.layers.norm import RMSNorm
 
 @dataclasses.dataclass(frozen=True)
 class Glm5Ops:
-    """What the layers need besides weights: the mesh and the kernel backend (fixed per server)."""
+    """What the layers need besides weights: the mesh and the kernel backends (fixed per server):
+    ``backend`` for attention, experts and kernels in general, ``kda_backend`` for the KDA layers'
+    recurrence (``--kda-backend``)."""
 
     mesh: Mesh
     backend: str
+    kda_backend: str
 
 
 class Glm5DecoderLayer(nnx.Module):
@@ -75,7 +78,7 @@ class Glm5DecoderLayer(nnx.Module):
         h = self.input_layernorm(u)
         if self.kda:
             y, pools[p + "state"], pools[p + "conv"] = self.self_attn(
-                h, pools[p + "state"], pools[p + "conv"], batch.slots, batch.valid, ops.backend, ops.mesh)
+                h, pools[p + "state"], pools[p + "conv"], batch.slots, batch.valid, ops.kda_backend, ops.mesh)
         else:
             index = (pools[p + "index_k"], pools.get(p + "index_k_scale"))
             y, pools[p + "latent"], index, pools[p + "index_tail"] = self.self_attn(
@@ -193,8 +196,8 @@ class Glm5NextForConditionalGeneration(nnx.Module):
         return ("model.visual.",) + (() if mtp else (f"model.language_model.layers.{cfg.num_hidden_layers}.",))
 
     @staticmethod
-    def make_ops(cfg: Glm5NextConfig, mesh: Mesh, backend: str) -> Glm5Ops:
-        return Glm5Ops(mesh, backend)
+    def make_ops(cfg: Glm5NextConfig, mesh: Mesh, backend: str, kda_backend: str) -> Glm5Ops:
+        return Glm5Ops(mesh, backend, kda_backend)
 
     def __call__(self, tokens, batch: AttentionBatch, pools: dict, ops: Glm5Ops):
         """tokens [B, T] -> (hidden [B, T, D] after the stream mean and final norm, pools)."""

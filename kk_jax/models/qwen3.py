@@ -97,7 +97,8 @@ class Qwen3ForCausalLM(nnx.Module):
         return ()
 
     @staticmethod
-    def make_ops(cfg: Qwen3Config, mesh, backend: str) -> PagedAttention:
+    def make_ops(cfg: Qwen3Config, mesh, backend: str, kda_backend: str | None = None) -> PagedAttention:
+        """The paged-attention op (Qwen3 has no KDA layers: ``kda_backend`` is unused)."""
         return PagedAttention(mesh=mesh, backend=backend, scale=1.0 / math.sqrt(cfg.head_dim))
 
     def __call__(self, tokens, batch: AttentionBatch, pools: dict, attn: PagedAttention):

@@ -120,10 +120,17 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
         except RequestError as e:
             raise APIError(400, str(e), e.param) from None
 
+    def check_ids(ids: list[int], param: str, what: str) -> None:
+        try:
+            engine.engine.check_token_ids(ids, param, what)
+        except RequestError as e:
+            raise APIError(400, str(e), e.param) from None
+
     def prompt_ids(prompt: str | list[int]) -> list[int]:
         ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise APIError(400, "the prompt is empty", "prompt")
+        check_ids(ids, "prompt", "prompt token ids")         # before anything decodes them (echo)
         if len(ids) >= cfg.max_model_len:
             raise APIError(400, f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
                                 f"your prompt has {len(ids)} tokens; shorten it", "prompt")
@@ -443,10 +450,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     @app.post("/detokenize", response_model=P.DetokenizeResponse)
     async def detokenize(req: P.DetokenizeRequest):
         check_model(req.model)
-        vocab = engine.engine.model_config.vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+        check_ids(req.tokens, "tokens", "token ids")
         return {"prompt": tok.decode(req.tokens)}
 
     @app.get("/metrics")

@@ -29,6 +29,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8"])
     ap.add_argument("--decode-steps", type=int, default=8, help="decode steps per device call")
     ap.add_argument("--kernel-backend", default="auto", choices=["auto", "pallas", "xla"])
+    ap.add_argument("--kda-backend", default="auto", choices=["auto", "pallas", "xla"],
+                    help="KDA layers only (GLM-5.3); auto follows --kernel-backend; fixed for the server's lifetime")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fp8-activations", action="store_true",
                     help="block-FP8 checkpoints: W8A8 (activations quantized to e4m3 per 1x128 group, the release's "
@@ -52,7 +54,7 @@ def build(args):
     config = EngineConfig(max_model_len=args.max_model_len, **limits, page_size=args.page_size,
                           num_pages=args.num_pages, gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_dtype=args.kv_cache_dtype, tp=args.tp, decode_steps=args.decode_steps,
-                          kernel_backend=args.kernel_backend, seed=args.seed,
+                          kernel_backend=args.kernel_backend, kda_backend=args.kda_backend, seed=args.seed,
                           fp8_activations=args.fp8_activations)
     engine = LLMEngine(model, dtype=args.dtype, config=config)
     for kind, b, t, secs in engine.warmup_report:

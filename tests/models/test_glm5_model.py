@@ -5,6 +5,7 @@ import json
 import math
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,8 @@ import numpy as np
 import pytest
 
 from kk_jax import LLM, SamplingParams
+from kk_jax.config import ConfigError, EngineConfig
+from kk_jax.engine.core import LLMEngine
 from kk_jax.models.attention.paged import AttentionBatch
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "glm5_hf_greedy.json").read_text())
@@ -140,10 +143,23 @@ def test_bfloat16_model_runs_on_the_xla_backend_close_to_float32(tmp_path):
 
     ckpt = make_tiny(tmp_path / "dense", arch="glm5_next", seed=2, dtype="float32", num_layers=4,
                      first_dense_layers=4, index_topk=1024)
-    limits = {**LIMITS, "max_num_seqs": 2, "max_num_batched_tokens": 16}
+    config = EngineConfig(max_model_len=128, max_num_seqs=1, max_num_batched_tokens=16)
+    # engines without the bucket warm-up: chunked_logits compiles the one program it runs
+    model = lambda dtype: SimpleNamespace(engine=LLMEngine(ckpt, dtype=dtype, config=config, progress=False,
+                                                           warmup=False))
     ids = [int(x) for x in np.random.default_rng(1).integers(0, 500, 24)]
-    exact = chunked_logits(LLM(ckpt, **limits), ids, 64)
-    got = chunked_logits(LLM(ckpt, **{**limits, "dtype": "bfloat16"}), ids, 64)
+    exact = chunked_logits(model("float32"), ids, 64)
+    got = chunked_logits(model("bfloat16"), ids, 64)
     err = np.mean(np.abs(got - exact)) / np.std(exact)
     assert 0 < err < 0.06, err
     assert np.mean(got.argmax(-1) == exact.argmax(-1)) >= 0.9
+
+
+def test_kda_backend_is_fixed_per_engine_and_checked(ckpt, llm):
+    """--kda-backend: auto follows the kernel backend (xla on this CPU); pallas is refused without
+    a GPU before anything is loaded; unknown names are a config error."""
+    assert (llm.engine.runner.backend, llm.engine.runner.ops.kda_backend) == ("xla", "xla")
+    with pytest.raises(ConfigError, match="kda_backend 'pallas' .* needs an NVIDIA GPU"):
+        LLM(ckpt, kda_backend="pallas", **LIMITS)
+    with pytest.raises(ConfigError, match="kda_backend must be auto, pallas or xla, got 'triton'"):
+        LLM(ckpt, kda_backend="triton", **LIMITS)

@@ -41,6 +41,8 @@ CASES = [
     ("top_logprobs > 20", CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400,
      "less than or equal to 20", "top_logprobs"),
     ("token outside vocab", COMP, {"prompt": [10 ** 7], "max_tokens": 1}, 400, "outside the vocabulary", "prompt"),
+    ("negative token echoed", COMP, {"prompt": [5, -3], "max_tokens": 1, "echo": True}, 400, "outside the vocabulary",
+     "prompt"),
     ("empty prompt list", COMP, {"prompt": [], "max_tokens": 1}, 400, "must not be empty", "prompt"),
     ("json response format", CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400,
      "not supported", "response_format"),
