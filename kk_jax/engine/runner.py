@@ -176,10 +176,10 @@ class ModelRunner:
         self.cfg, self.mesh, self.model_cfg = cfg, mesh, model_cfg
         check_divisible(mesh, **model_cls.divisible_sizes(model_cfg))
         self.backend = resolve_backend(cfg.kernel_backend)
-        self.kda_backend = self.backend if cfg.kda_backend == "auto" else cfg.kda_backend
-        if self.kda_backend == "pallas" and jax.default_backend() != "gpu":
+        if cfg.kda_backend == "pallas" and jax.default_backend() != "gpu":
             raise ConfigError(f"kda_backend 'pallas' runs the Mosaic GPU KDA kernels and needs an NVIDIA GPU; "
                               f"this machine's JAX backend is {jax.default_backend()!r} (use auto or xla)")
+        self.ops = model_cls.make_ops(model_cfg, mesh, self.backend, kda_backend=cfg.kda_backend)
         self.max_pages_per_seq = math.ceil(cfg.max_model_len / cfg.page_size)
         self.buckets = Buckets.make(cfg.max_num_seqs, cfg.max_num_batched_tokens)
 
@@ -226,7 +226,6 @@ class ModelRunner:
                                     num_slots=cfg.max_num_seqs + 1, mesh=mesh)
         self.pool_shardings = {n: pool_sharding(s, mesh) for n, s in self.layout.items()}
         self.has_slots = any(isinstance(s, SlotSpec) for s in self.layout.values())
-        self.ops = model_cls.make_ops(model_cfg, mesh, self.backend, kda_backend=self.kda_backend)
         self._compiled: dict = {}
         self.compile_seconds = 0.0
         self.host_seconds = 0.0      # host time spent packing inputs and unpacking outputs

@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from kk_jax.cache.pools import CacheLayout, PagedSpec, SlotSpec
-from kk_jax.config import LINEAR, Glm5NextConfig
+from kk_jax.config import LINEAR, ConfigError, Glm5NextConfig
 from kk_jax.models.attention.kda import KDAAttention
 from kk_jax.models.attention.mla_sparse import SparseMLA
 from kk_jax.models.attention.paged import AttentionBatch
@@ -196,8 +196,18 @@ class Glm5NextForConditionalGeneration(nnx.Module):
         return ("model.visual.",) + (() if mtp else (f"model.language_model.layers.{cfg.num_hidden_layers}.",))
 
     @staticmethod
-    def make_ops(cfg: Glm5NextConfig, mesh: Mesh, backend: str, kda_backend: str) -> Glm5Ops:
-        return Glm5Ops(mesh, backend, kda_backend)
+    def make_ops(cfg: Glm5NextConfig, mesh: Mesh, backend: str, kda_backend: str = "auto") -> Glm5Ops:
+        """``kda_backend`` auto follows ``backend``, except that head sizes the Pallas KDA kernels do
+        not take (tiny test models) run the jnp recurrence; an explicit pallas for them is an error."""
+        from pallas_kernels.kda import pallas_supports
+
+        kda = backend if kda_backend == "auto" else kda_backend
+        if kda == "pallas" and not pallas_supports(cfg.linear_head_dim, cfg.linear_head_dim):
+            if kda_backend == "pallas":
+                raise ConfigError(f"kda_backend 'pallas': the Pallas KDA kernels need a head dim of 64 or 128, "
+                                  f"this model's linear_head_dim is {cfg.linear_head_dim} (use auto or xla)")
+            kda = "xla"
+        return Glm5Ops(mesh, backend, kda)
 
     def __call__(self, tokens, batch: AttentionBatch, pools: dict, ops: Glm5Ops):
         """tokens [B, T] -> (hidden [B, T, D] after the stream mean and final norm, pools)."""

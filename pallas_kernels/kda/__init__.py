@@ -150,6 +150,12 @@ def kda_gate(f, A_log, dt_bias, lower_bound=-5.0, *, backend="pallas"):
   return kda_gate_reference(f, A_log, dt_bias, lower_bound)
 
 
+def pallas_supports(key_dim: int, value_dim: int) -> bool:
+  """Whether the Pallas kernels take this head size (K == V in {64, 128})."""
+  from .kernel import SUPPORTED_DIMS
+  return key_dim == value_dim and key_dim in SUPPORTED_DIMS
+
+
 __all__ = [
   "BACKENDS",
   "CHUNK",
@@ -159,4 +165,5 @@ __all__ = [
   "kda_decode",
   "kda_gate",
   "kda_verify",
+  "pallas_supports",
 ]

@@ -188,10 +188,11 @@ def test_fp8_index_keys_hadamard_and_power_of_two_scales():
         assert np.max(np.abs(back[row] - pooled[row])) <= 0.07 * np.max(np.abs(pooled[row])) + 1e-6
 
 
-def test_fp8_index_cache_is_33_bytes_per_token_at_flash_shapes():
-    from kk_jax.cache.pools import PagedSpec, bytes_per_page
+def flash_config(**changes):
+    """GLM-5.3-Flash's shapes at 4 layers (3 KDA + 1 DSA)."""
+    import dataclasses
+
     from kk_jax.config import Glm5NextConfig
-    from kk_jax.models.glm5_next import Glm5NextForConditionalGeneration
 
     flash = Glm5NextConfig(vocab_size=154880, hidden_size=4096, num_hidden_layers=4,
                            layer_types=("linear_attention",) * 3 + ("deepseek_sparse_attention",),
@@ -203,6 +204,14 @@ def test_fp8_index_cache_is_33_bytes_per_token_at_flash_shapes():
                            linear_num_heads=64, linear_head_dim=128, linear_conv_kernel_dim=4, linear_lower_bound=-5.0,
                            hc_mult=4, hc_eps=1e-6, hc_sinkhorn_iters=20, rms_norm_eps=1e-5,
                            max_position_embeddings=1 << 20)
+    return dataclasses.replace(flash, **changes)
+
+
+def test_fp8_index_cache_is_33_bytes_per_token_at_flash_shapes():
+    from kk_jax.cache.pools import PagedSpec, bytes_per_page
+    from kk_jax.models.glm5_next import Glm5NextForConditionalGeneration
+
+    flash = flash_config()
     layout = Glm5NextForConditionalGeneration.cache_layout(flash, jnp.float8_e4m3fn)
     index = {n: s for n, s in layout.items() if "index_k" in n}
     assert set(index) == {"layers.3.index_k", "layers.3.index_k_scale"}
@@ -248,3 +257,18 @@ def test_mtp_block_matches_numpy(tmp_path):
     want_logits = want @ w["lm_head.weight"].T
     rel = np.max(np.abs(np.asarray(logits[0]) - want_logits)) / np.max(np.abs(want_logits))
     assert rel < 1e-4, rel
+
+
+def test_kda_backend_auto_falls_back_for_head_sizes_the_kernels_do_not_take():
+    """On a GPU (backend pallas) a tiny model's 16-wide KDA heads run the jnp recurrence under
+    auto, and an explicit pallas is refused; 128-wide heads (GLM-5.3-Flash) keep the kernels."""
+    from kk_jax.config import ConfigError
+    from kk_jax.models.glm5_next import Glm5NextForConditionalGeneration as M
+
+    tiny, flash = flash_config(linear_head_dim=16), flash_config()
+    assert M.make_ops(tiny, None, "pallas", "auto").kda_backend == "xla"
+    assert M.make_ops(tiny, None, "xla", "auto").kda_backend == "xla"
+    with pytest.raises(ConfigError, match="need a head dim of 64 or 128, this model's linear_head_dim is 16"):
+        M.make_ops(tiny, None, "pallas", "pallas")
+    assert M.make_ops(flash, None, "pallas", "auto").kda_backend == "pallas"
+    assert M.make_ops(flash, None, "pallas", "xla").kda_backend == "xla"
