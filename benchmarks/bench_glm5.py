@@ -5,10 +5,11 @@ at reduced depth (``--layers``, the real 3:1 KDA:DSA pattern, dense first layers
 weights drawn on the device, routed experts in ``--experts`` format (quantized ones held as
 serving holds them). Decode: the fused decode loop over sequences already holding each
 ``--context`` of tokens, every row fed its own random token; reported per step against an HBM
-roofline (weights actually read — all non-expert weights plus the distinct experts the batch
+roofline per GPU (weights actually read — all non-expert weights plus the distinct experts the batch
 routes to, expected value under independent routing — plus the KV the step reads: selected
-latents, all pooled index keys, KDA state read + write) / 4.2 TB/s. Prefill: tokens/s of one
-``--prefill-tokens`` chunk of random tokens.
+latents, all pooled index keys, KDA state read + write; weights and KDA state split over ``--tp``
+GPUs, DSA caches replicated) / 4.2 TB/s. Prefill: tokens/s of one
+sequence's prompt of each ``--context`` random tokens, in chunks of ``--prefill-tokens``.
 
 ``--memory-plan`` prints the per-GPU bytes of the full 45-layer model by component (no device
 needed): e.g. 2 x H200 with NVFP4 experts.
@@ -96,8 +97,9 @@ def memory_plan(c, tp: int, experts: str, max_seqs: int, context: int, kv_fp8: b
     return plan
 
 
-def step_bytes(c, runner, batch: int, context: int, experts: str = "bf16") -> float:
-    """Bytes one decode step reads (expected): see the module docstring."""
+def step_bytes(c, runner, batch: int, context: int, experts: str = "bf16", tp: int = 1) -> float:
+    """Bytes one decode step reads per GPU (expected): see the module docstring. Weights and KDA
+    state are split over ``tp`` GPUs; the DSA caches are replicated, so every GPU reads them."""
     p = layer_params(c)
     itemsize, per_param = 2, EXPERT_BYTES_PER_PARAM[experts]
     expert = 3 * c.hidden_size * c.moe_intermediate_size * per_param
@@ -110,7 +112,7 @@ def step_bytes(c, runner, batch: int, context: int, experts: str = "bf16") -> fl
     selected = min(context, c.index_topk + c.index_kpool - 1)
     dsa = n_dsa * batch * (selected * c.kv_lora_rank * itemsize + context / c.index_kpool * c.index_head_dim * itemsize)
     kda = n_kda * batch * 2 * c.linear_num_heads * c.linear_head_dim ** 2 * 4
-    return weights + dsa + kda
+    return (weights + kda) / tp + dsa
 
 
 def emit(rows: list, row: dict) -> None:
@@ -166,19 +168,26 @@ def bench(c, backend: str, batches, contexts, steps: int, iters: int, tp: int, p
     rows = []
     # distinct random tokens: every row routes to its own experts, as real traffic does
     rng = np.random.default_rng(0)
-    prompt = [int(x) for x in rng.integers(0, c.vocab_size, prefill_tokens)]
-    prefill = lambda: runner.prefill([PrefillRow(prompt, 0, pages(0), 1, greedy, 0, 0)])
+
+    def prefill(n_tokens: int) -> None:
+        """One sequence's prompt of ``n_tokens`` random tokens, in chunks of ``prefill_tokens``."""
+        prompt = [int(x) for x in rng.integers(0, c.vocab_size, n_tokens)]
+        for s in range(0, n_tokens, prefill_tokens):
+            runner.prefill([PrefillRow(prompt[s:s + prefill_tokens], s, pages(0), 1, greedy, 0, 0)])
+
     t0 = time.perf_counter()
-    prefill()
-    first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    prefill()
-    prefill_s = time.perf_counter() - t0
-    emit(rows, dict(kind="prefill", backend=runner.backend, experts=experts, tokens=prefill_tokens,
-                    seconds=prefill_s, tok_per_s=prefill_tokens / prefill_s, compile_s=first - prefill_s))
+    prefill(prefill_tokens)
+    compile_s = time.perf_counter() - t0
+    for context in contexts:
+        t0 = time.perf_counter()
+        prefill(context)
+        prefill_s = time.perf_counter() - t0
+        emit(rows, dict(kind="prefill", backend=runner.backend, experts=experts, tokens=context,
+                        chunk=prefill_tokens, seconds=prefill_s, tok_per_s=context / prefill_s,
+                        first_chunk_s=compile_s))
     if trace_dir:
         with jax.profiler.trace(f"{trace_dir}/prefill"):
-            prefill()
+            prefill(prefill_tokens)
     for context in contexts:
         for b in batches:
             drows = [DecodeRow(token=int(rng.integers(0, c.vocab_size)), position=context, pages=pages(i),
@@ -190,7 +199,7 @@ def bench(c, backend: str, batches, contexts, steps: int, iters: int, tp: int, p
                 runner.decode(drows)
             wall = (time.perf_counter() - t0) / (iters * steps)
             host = (runner.host_seconds - host0) / (iters * steps)
-            roof = step_bytes(c, runner, b, context, experts) / HBM_BYTES_PER_S
+            roof = step_bytes(c, runner, b, context, experts, tp) / HBM_BYTES_PER_S
             emit(rows, dict(kind="decode", backend=runner.backend, experts=experts, batch=b, context=context,
                             step_ms=wall * 1e3, tok_per_s=b / wall, roofline_ms=roof * 1e3,
                             roofline_frac=roof / wall, host_frac=host / wall))
@@ -233,7 +242,7 @@ def main():
         c = tiny_config() if a.tiny else flash_config(a.layers)
         page = 16 if a.tiny else a.page_size
         result = bench(c, a.backend, a.batch, a.context, a.steps, a.iters, a.tp,
-                       min(a.prefill_tokens, max(a.context)), page, a.experts, a.trace)
+                       min(a.prefill_tokens, min(a.context)), page, a.experts, a.trace)
         if a.trace:
             from trace_summary import print_summary
             for part in ("prefill", "decode"):
