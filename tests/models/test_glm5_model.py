@@ -78,6 +78,20 @@ def test_prefill_then_decode_equals_longer_prefill(llm):
         assert (got.argmax(-1) == full.argmax(-1)).all()
 
 
+def test_query_blocks_change_nothing(llm, monkeypatch):
+    """A prefill chunk's DSA attention runs in query blocks sized to a byte budget; one query per
+    block gives the logits of one block for all."""
+    from kk_jax.models.attention import mla_sparse
+
+    ids = [int(x) for x in np.random.default_rng(1).integers(0, 1000, 42)]
+    whole = chunked_logits(llm, ids, 64)
+    monkeypatch.setattr(mla_sparse, "BLOCK_BYTES", 200)
+    assert mla_sparse.query_block(2, 42, 10) == 7                 # largest divisor of 42 <= 200 // 20
+    assert mla_sparse.query_block(1, 42, 10**6) == 1
+    blocked = chunked_logits(llm, ids, 64)
+    np.testing.assert_allclose(blocked, whole, rtol=1e-5, atol=1e-5 * np.max(np.abs(whole)))
+
+
 def test_twenty_interleaved_requests_are_isolated(llm):
     rng = random.Random(3)
     prompts = [[rng.randrange(1000) for _ in range(rng.randint(1, 40))] for _ in range(20)]

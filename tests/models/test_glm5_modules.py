@@ -135,7 +135,15 @@ def _run_indexer(ix, x, qr, t, page_size=16, pages=4):
     table = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]
     pos = jnp.arange(t, dtype=jnp.int32)[None]
     index, _ = ix.update_pools(x, (index_pool, None), tail_pool, jnp.array([1]), pos, jnp.ones((1, t), bool), table)
-    return np.asarray(ix.select(x, qr, index, pos, table))[0], index, table
+    keys, rotated = ix.pooled_keys(index, table)
+    tokens, ok = (np.asarray(a)[0] for a in ix.selected_tokens(x, qr, keys, rotated, pos))
+    span = pages * page_size
+    assert tokens[ok].max() < span
+    for row in range(t):                                          # a token is selected at most once
+        assert len(set(tokens[row][ok[row]])) == ok[row].sum()
+    mask = np.zeros((t, span), bool)
+    mask[np.nonzero(ok)[0], tokens[ok]] = True
+    return mask, index, table
 
 
 def test_indexer_selection_matches_numpy(indexer):

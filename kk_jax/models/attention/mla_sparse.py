@@ -4,6 +4,10 @@
 ``c = RMSNorm(kv_a x) [kv_lora]`` per token (keys = values = c, MQA over the latent). Attention
 runs in the absorbed form: ``q_abs[h] = W_kb[h]ᵀ q[h]``, ``softmax(q_abs · c / √nope)`` over
 the selected tokens, ``o[h] = W_vb[h] (Σ att · c)``, then o_proj. No positions (no RoPE).
+
+Only the selected tokens' latents are gathered (at most ``index_topk + kpool - 1`` per query),
+never the whole context, and a prefill chunk is processed in query blocks whose intermediates
+fit :data:`BLOCK_BYTES`: memory and latent reads per query do not grow with the context.
 """
 
 from __future__ import annotations
@@ -45,8 +49,7 @@ class SparseMLA(nnx.Module):
         latent_pool = write_pages(latent_pool, c, batch.positions, batch.valid, batch.page_table)
         index, tail_pool = self.indexer.update_pools(x, index, tail_pool, batch.slots, batch.positions,
                                                      batch.valid, batch.page_table)
-        mask = self.indexer.select(x, qr, index, batch.positions, batch.page_table)          # [B, T, S]
-        lat = latent_pool[batch.page_table].reshape(b, -1, kl)                               # [B, S, kl]
+        keys, rotated = self.indexer.pooled_keys(index, batch.page_table)                    # [B, NP, d]
         # Products take operands rounded to the model dtype with fp32 accumulation: on the GPU
         # backend bf16 operands run on the tensor cores (as FlashMLA); float32 models, and the
         # xla backend (XLA:CPU has no bf16 x bf16 -> f32 batched dot), multiply in exact fp32.
@@ -56,11 +59,46 @@ class SparseMLA(nnx.Module):
         op, prec = (f32, jax.lax.Precision.HIGHEST) if exact else (x.dtype, None)
         mm = lambda spec, a, w: jnp.einsum(spec, a.astype(op), w, precision=prec, preferred_element_type=f32)
         wkv = self.kv_b_proj.dense_weight(x.dtype).astype(op).reshape(h, nope + vd, kl)   # dequantized if quantized
-        lat = lat.astype(x.dtype).astype(op)
-        q_abs = mm("bthn,hnc->bthc", q, wkv[:, :nope])
-        s = mm("bthc,bsc->bhts", q_abs, lat) * nope ** -0.5
-        s = jnp.where(mask[:, None], s, _MASKED)
-        p = jax.nn.softmax(s, axis=-1)
-        o_lat = mm("bhts,bsc->bthc", p, lat)
-        o = mm("bthc,hvc->bthv", o_lat, wkv[:, nope:]).astype(x.dtype)
+        ps, span = latent_pool.shape[1], batch.page_table.shape[1]
+        flat = latent_pool.reshape(-1, kl)
+
+        def attend(q, qr, x, positions):
+            """One block of queries [B, Tq, ...] -> o [B, Tq, H, vd] over its selected tokens."""
+            tok, ok = self.indexer.selected_tokens(x, qr, keys, rotated, positions)           # [B, Tq, G]
+            page = jnp.take_along_axis(batch.page_table, jnp.clip(tok // ps, 0, span - 1).reshape(b, -1),
+                                       axis=1).reshape(tok.shape)
+            lat = flat[page * ps + tok % ps].astype(x.dtype).astype(op)                       # [B, Tq, G, kl]
+            q_abs = mm("bthn,hnc->bthc", q, wkv[:, :nope])
+            s = mm("bthc,btgc->bthg", q_abs, lat) * nope ** -0.5
+            p = jax.nn.softmax(jnp.where(ok[:, :, None], s, _MASKED), axis=-1)
+            o_lat = mm("bthg,btgc->bthc", p, lat)
+            return mm("bthc,hvc->bthv", o_lat, wkv[:, nope:]).astype(x.dtype)
+
+        g = (min(self.indexer.select_pools, keys.shape[1]) + self.indexer.with_tail) * self.indexer.kpool
+        per_query = (8 * keys.shape[1] * (self.indexer.heads + 1) + g * kl * jnp.dtype(op).itemsize
+                     + 12 * h * g + 8 * h * kl)
+        o = by_query_blocks(attend, query_block(b, t, per_query), q, qr, x, batch.positions)
         return self.o_proj(o.reshape(b, t, h * vd)), latent_pool, index, tail_pool
+
+
+# Bytes of selection and attention intermediates one query block may hold (per DSA layer call).
+BLOCK_BYTES = 1 << 30
+
+
+def query_block(b: int, t: int, per_query: int) -> int:
+    """The largest divisor of ``t`` whose ``b`` rows of that many queries, ``per_query`` bytes
+    each, fit :data:`BLOCK_BYTES`."""
+    cap = max(1, BLOCK_BYTES // (b * per_query))
+    return max(d for d in range(1, min(t, cap) + 1) if t % d == 0)
+
+
+def by_query_blocks(fn, tq: int, *xs):
+    """``fn`` over axis 1 (queries) of ``xs`` in blocks of ``tq``, one block after another, so
+    that a prefill chunk's ``[T, selected tokens]`` intermediates never exist all at once."""
+    t = xs[0].shape[1]
+    if tq >= t:
+        return fn(*xs)
+    nb = t // tq
+    split = lambda a: jnp.moveaxis(a.reshape(a.shape[0], nb, tq, *a.shape[2:]), 1, 0)
+    out = jax.lax.map(lambda blk: fn(*blk), tuple(split(a) for a in xs))              # [nb, B, tq, ...]
+    return jnp.moveaxis(out, 0, 1).reshape(out.shape[1], t, *out.shape[3:])

@@ -132,32 +132,43 @@ class PooledIndexer(nnx.Module):
         tail_pool = tail_pool.at[slots].set(new_tail.astype(tail_pool.dtype))
         return (keys, scales), tail_pool
 
-    def select(self, x, qr, index, positions, page_table):
-        """Token mask [B, T, S] (S = the page table's token span) of what each query attends."""
+    def pooled_keys(self, index, page_table):
+        """Every pool of each row's pages -> (keys [B, NP, d] f32, rotated). NP = the page table's
+        token span / kpool. fp8 keys come back scaled but still Hadamard-rotated (``rotated``):
+        queries must then be rotated too."""
+        keys, scales = index
+        b = page_table.shape[0]
+        out = keys[page_table].reshape(b, -1, self.dim).astype(jnp.float32)                  # [B, NP, d]
+        if scales is None:
+            return out, False
+        return out * scales[page_table].reshape(b, -1, 1), True
+
+    def selected_tokens(self, x, qr, keys, rotated: bool, positions):
+        """The tokens each query attends: (tokens [B, T, G] int32 positions, ok [B, T, G] bool).
+
+        x [B, T, D], qr [B, T, q_lora], positions [B, T]; keys from :meth:`pooled_keys`. G =
+        (min(topk pools, NP) + tail) * kpool: the top-scored visible complete pools, then the
+        incomplete tail ``kpool·⌊(pos+1)/kpool⌋ … pos``; ``ok`` is False for padding (fewer
+        visible pools than the top-k, tail slots after ``pos``). Each token appears at most
+        once: selected pools are complete, the tail pool is not."""
         b, t, _ = x.shape
         kp, ih, d = self.kpool, self.heads, self.dim
         iq = self.wq_b(qr).reshape(b, t, ih, d).astype(jnp.float32)
-        w = self.weights_proj(x).astype(jnp.float32) * ih ** -0.5                           # [B, T, ih]
-        keys, scales = index
-        keys = keys[page_table].reshape(b, -1, d).astype(jnp.float32)                        # [B, NP, d]
-        if scales is not None:                       # fp8 serving layout: rotate q like the keys
-            keys = keys * scales[page_table].reshape(b, -1, 1)
+        if rotated:
             iq = iq @ jnp.asarray(hadamard(d), jnp.float32)
+        w = self.weights_proj(x).astype(jnp.float32) * ih ** -0.5                           # [B, T, ih]
         n_pools = keys.shape[1]
         dots = jnp.einsum("bthd,bpd->bthp", iq, keys, precision=jax.lax.Precision.HIGHEST) * d ** -0.5
         scores = jnp.einsum("bth,bthp->btp", w, jax.nn.relu(dots), precision=jax.lax.Precision.HIGHEST)
         p = jnp.arange(n_pools)
         visible = (p[None, None] + 1) * kp - 1 <= positions[..., None]                       # [B, T, NP]
-        scores = jnp.where(visible, scores, _NEG)
-        k = min(self.select_pools, n_pools)
-        vals, idx = jax.lax.top_k(scores, k)
-        chosen = jnp.zeros((b, t, n_pools), bool)
-        bi, ti = jnp.meshgrid(jnp.arange(b), jnp.arange(t), indexing="ij")
-        chosen = chosen.at[bi[..., None], ti[..., None], idx].max(vals > _NEG)
-        tok = jnp.arange(n_pools * kp)
-        mask = jnp.repeat(chosen, kp, axis=-1)                                               # [B, T, S]
+        vals, idx = jax.lax.top_k(jnp.where(visible, scores, _NEG), min(self.select_pools, n_pools))
+        slot = jnp.arange(kp)
+        tokens = idx[..., None] * kp + slot                                                  # [B, T, k, kp]
+        ok = jnp.broadcast_to((vals > _NEG)[..., None], tokens.shape)
         if self.with_tail:
-            pos = positions[..., None]
-            tail_start = (pos + 1) - (pos + 1) % kp
-            mask = mask | ((tok[None, None] >= tail_start) & (tok[None, None] <= pos))
-        return mask
+            pos = positions[..., None, None]
+            tail = (pos + 1) // kp * kp + slot                                               # [B, T, 1, kp]
+            tokens = jnp.concatenate([tokens, tail], axis=2)
+            ok = jnp.concatenate([ok, tail <= pos], axis=2)
+        return tokens.reshape(b, t, -1).astype(jnp.int32), ok.reshape(b, t, -1)
