@@ -154,7 +154,7 @@ def bench(c, backend: str, batches, contexts, steps: int, iters: int, tp: int, p
     max_b = max(batches)
     max_len = max(contexts) + steps * (iters + 2) + page_size
     per_seq = math.ceil(max_len / page_size)
-    ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_b, max_num_batched_tokens=prefill_tokens,
+    ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_b, max_num_batched_tokens=prefill_tokens or 16,
                         page_size=page_size, num_pages=max_b * per_seq + 1, tp=tp, decode_steps=steps,
                         kernel_backend=backend)
     t0 = time.perf_counter()
@@ -176,16 +176,17 @@ def bench(c, backend: str, batches, contexts, steps: int, iters: int, tp: int, p
             runner.prefill([PrefillRow(prompt[s:s + prefill_tokens], s, pages(0), 1, greedy, 0, 0)])
 
     t0 = time.perf_counter()
-    prefill(prefill_tokens)
+    if prefill_tokens:
+        prefill(prefill_tokens)
     compile_s = time.perf_counter() - t0
-    for context in contexts:
+    for context in contexts if prefill_tokens else ():
         t0 = time.perf_counter()
         prefill(context)
         prefill_s = time.perf_counter() - t0
         emit(rows, dict(kind="prefill", backend=runner.backend, experts=experts, tokens=context,
                         chunk=prefill_tokens, seconds=prefill_s, tok_per_s=context / prefill_s,
                         first_chunk_s=compile_s))
-    if trace_dir:
+    if trace_dir and prefill_tokens:
         with jax.profiler.trace(f"{trace_dir}/prefill"):
             prefill(prefill_tokens)
     for context in contexts:
@@ -221,7 +222,7 @@ def main():
     ap.add_argument("--context", type=int, nargs="+", default=[8192])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--prefill-tokens", type=int, default=2048)
+    ap.add_argument("--prefill-tokens", type=int, default=2048, help="prefill chunk (0: no prefill)")
     ap.add_argument("--page-size", type=int, default=256)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--backend", default="auto")
