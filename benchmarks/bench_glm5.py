@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import time
 
 HBM_BYTES_PER_S = 4.2e12
@@ -211,6 +212,9 @@ def bench(c, backend: str, batches, contexts, steps: int, iters: int, tp: int, p
 
 
 def main():
+    # weights, pools and a prefill chunk's activations of a full-width model need more than JAX's
+    # default 75 % of the GPU
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--memory-plan", action="store_true")
     ap.add_argument("--experts", default="nvfp4", choices=sorted(EXPERT_BYTES_PER_PARAM),

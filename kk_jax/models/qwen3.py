@@ -20,13 +20,15 @@ from kk_jax.cache.pools import CacheLayout, PagedSpec
 from kk_jax.config import Qwen3Config
 from kk_jax.models.attention.paged import AttentionBatch, PagedAttention
 from kk_jax.models.layers.embed import Embedding
-from kk_jax.models.layers.linear import Linear
+from kk_jax.models.layers.linear import Linear, project
 from kk_jax.models.layers.mlp import SwiGLU
 from kk_jax.models.layers.norm import RMSNorm
 from kk_jax.models.layers.rope import apply_rope
 
 
 class Qwen3Attention(nnx.Module):
+    FUSIBLE = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+
     def __init__(self, cfg: Qwen3Config, dtype):
         d, hq, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.cfg = cfg
@@ -41,9 +43,10 @@ class Qwen3Attention(nnx.Module):
         """x [B, T, hidden]; kv = (k_pages, v_pages) -> (out [B, T, hidden], kv)."""
         cfg = self.cfg
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)      # [B, T, Hq, D]
-        k = self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)      # [B, T, Hkv, D]
-        v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)      # [B, T, Hkv, D]
+        q, k, v = project(self, "qkv_proj", x)
+        q = q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)                    # [B, T, Hq, D]
+        k = k.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)                    # [B, T, Hkv, D]
+        v = v.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)                    # [B, T, Hkv, D]
         q = apply_rope(self.q_norm(q), batch.positions, cfg.rope_theta)
         k = apply_rope(self.k_norm(k), batch.positions, cfg.rope_theta)
         o, k_pages, v_pages = attn(q, k, v, kv[0], kv[1], batch)                      # [B, T, Hq, D]

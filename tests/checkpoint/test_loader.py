@@ -82,7 +82,7 @@ def test_sharded_checkpoint_places_each_weight_with_its_tp_sharding(tiny_ckpt_un
     runner = llm.engine.runner
     state = dict(zip([".".join(map(str, p)) for p, _ in __import__("flax").nnx.to_flat_state(
         __import__("jax").tree.unflatten(runner.treedef, runner.weights))], runner.weights))
-    q = state["model.layers.0.self_attn.q_proj.weight"]          # [heads*dim, hidden], split on heads
+    q = state["model.layers.0.self_attn.qkv_proj.weight"]        # [(q + k + v heads)*dim, hidden], split on heads
     assert q.addressable_shards[0].data.shape == (q.shape[0] // 2, q.shape[1])
     o = state["model.layers.0.self_attn.o_proj.weight"]          # [hidden, heads*dim], split on heads
     assert o.addressable_shards[0].data.shape == (o.shape[0], o.shape[1] // 2)

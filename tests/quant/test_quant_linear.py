@@ -148,3 +148,69 @@ def test_fused_block_fp8_membership_follows_tensors():
 def test_k_not_divisible_by_the_block_names_the_layer(method, k, msg):
     with pytest.raises(QuantLayoutError, match=f"model.layers.0.mlp.down_proj: {msg}"):
         Linear(k, 64, jnp.bfloat16, axes=("embed", "mlp")).quantize_(method, name="model.layers.0.mlp.down_proj")
+
+
+class Layer(nnx.Module):
+    """An MLP and an attention's projections under ``layers.0``, as the models declare them."""
+
+    def __init__(self, dtype, intermediate=256, bias=False):
+        from kk_jax.config import Qwen3Config
+        from kk_jax.models.layers.mlp import SwiGLU
+        from kk_jax.models.qwen3 import Qwen3Attention
+
+        cfg = Qwen3Config(vocab_size=64, hidden_size=128, intermediate_size=intermediate, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=128, attention_bias=bias,
+                          rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=256, tie_word_embeddings=True)
+        self.layers = nnx.List([nnx.Dict(mlp=SwiGLU(128, intermediate, dtype),
+                                         self_attn=Qwen3Attention(cfg, dtype))])
+
+
+@pytest.mark.parametrize("method,intermediate,tp,fused", [
+    (None, 256, 1, True), ("mxfp8", 256, 2, True), ("fp8_block", 256, 2, True),
+    ("fp8_block", 64, 1, False),       # 64-row members: not whole 128-row blocks
+    ("nvfp4", 256, 1, False),          # per-tensor global scales differ between members
+])
+def test_sibling_projections_fuse_when_one_matmul_can_hold_them(method, intermediate, tp, fused):
+    from kk_jax.models.layers.linear import fuse_projections
+
+    mesh = make_mesh(tp)
+    qcfg = QuantConfig(method, {"fp8_block": (128, 128), "mxfp8": (1, 32), "nvfp4": (1, 16)}[method]) if method else None
+    model = nnx.eval_shape(lambda: Layer(jnp.bfloat16, intermediate))
+    done = fuse_projections(model, qcfg, mesh=mesh)
+    quantize_linears(model, qcfg, mesh=mesh)
+    mlp, attn = model.layers[0]["mlp"], model.layers[0]["self_attn"]
+    if not fused:
+        assert "layers.0.mlp.gate_up_proj" not in done and mlp.gate_proj is not None
+        return
+    assert done == ["layers.0.mlp.gate_up_proj", "layers.0.self_attn.qkv_proj"]
+    assert mlp.gate_proj is None and mlp.up_proj is None and attn.q_proj is None
+    assert mlp.gate_up_proj.members == (("layers.0.mlp.gate_proj", intermediate), ("layers.0.mlp.up_proj", intermediate))
+    assert mlp.gate_up_proj.quant == method and mlp.gate_up_proj.shards == tp
+    assert [n for n, _ in attn.qkv_proj.members] == [f"layers.0.self_attn.{p}_proj" for p in "qkv"]
+
+
+def test_projections_with_bias_stay_separate():
+    from kk_jax.models.layers.linear import fuse_projections
+
+    model = nnx.eval_shape(lambda: Layer(jnp.bfloat16, bias=True))
+    assert fuse_projections(model) == ["layers.0.mlp.gate_up_proj"]
+    assert model.layers[0]["self_attn"].q_proj is not None
+
+
+def test_fused_projection_computes_what_the_separate_ones_do():
+    from kk_jax.models.layers.linear import fuse_projections, project
+    from kk_jax.models.layers.mlp import SwiGLU
+
+    separate = SwiGLU(128, 256, jnp.float32)
+    rng = np.random.default_rng(7)
+    for lin in (separate.gate_proj, separate.up_proj, separate.down_proj):
+        lin.weight[...] = jnp.asarray(rng.standard_normal(lin.weight.shape) / 11, jnp.float32)
+    fused = SwiGLU(128, 256, jnp.float32)
+    fuse_projections(fused)
+    fused.gate_up_proj.weight[...] = jnp.concatenate([separate.gate_proj.weight[...], separate.up_proj.weight[...]])
+    fused.down_proj.weight[...] = separate.down_proj.weight[...]
+    x = jnp.asarray(rng.standard_normal((3, 128)), jnp.float32)
+    np.testing.assert_allclose(fused(x), separate(x), rtol=1e-6, atol=1e-6)
+    gate, up = project(fused, "gate_up_proj", x)
+    np.testing.assert_allclose(gate, separate.gate_proj(x), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(up, separate.up_proj(x), rtol=1e-6, atol=1e-6)

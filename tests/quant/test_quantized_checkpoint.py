@@ -30,6 +30,7 @@ SMALL = dict(dtype="float32", max_model_len=32, max_num_seqs=1, max_num_batched_
              progress=False)
 PROMPT = [1, 2, 3, 4, 5]
 Q_PROJ = "model.layers.0.self_attn.q_proj"
+QKV_PROJ = "model.layers.0.self_attn.qkv_proj"          # q, k, v fused
 EXCLUDE = ["model.layers.1.mlp*", "model.layers.0.self_attn.o_proj"]
 
 
@@ -102,7 +103,9 @@ def test_llm_generates_the_dequantized_models_tokens(quantized, algo):
     llm = LLM(ckpt, **SMALL)
     weights = dict(zip([".".join(map(str, p)) for p, _ in nnx.to_flat_state(
         jax.tree.unflatten(llm.engine.runner.treedef, llm.engine.runner.weights))], llm.engine.runner.weights))
-    q = weights[f"{Q_PROJ}.weight"]
+    # q, k, v run as one fused matmul for MXFP8; not for block FP8 here (64-row projections are
+    # not whole 128-row blocks) nor for NVFP4 (the members' per-tensor global scales differ)
+    q = weights[f"{QKV_PROJ}.weight" if algo == "mxfp8" else f"{Q_PROJ}.weight"]
     assert q.dtype == {"fp8_block": jax.numpy.float8_e4m3fn, "mxfp8": jax.numpy.float8_e4m3fn,
                        "nvfp4": jax.numpy.uint8}[algo]                      # kept quantized on the device
     got = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0].token_ids
@@ -118,8 +121,8 @@ def test_tensor_parallel_quantized_model(quantized):
     runner = llm.engine.runner
     weights = dict(zip([".".join(map(str, p)) for p, _ in nnx.to_flat_state(
         jax.tree.unflatten(runner.treedef, runner.weights))], runner.weights))
-    s = weights[f"{Q_PROJ}.weight_scale"]                                   # [64, 2] split on rows
-    assert s.addressable_shards[0].data.shape == (32, 2)
+    s = weights[f"{QKV_PROJ}.weight_scale"]                          # q|k|v [64 + 32 + 32, 2] split on rows
+    assert s.shape == (128, 2) and s.addressable_shards[0].data.shape == (64, 2)
     so = weights["model.layers.0.self_attn.o_proj.weight_scale"]             # row-parallel: K/32 split
     assert so.addressable_shards[0].data.shape == (64, 1)
     got = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0].token_ids
@@ -137,7 +140,7 @@ def test_declared_mxfp8_with_float_tensors_names_them(tiny_ckpt, tmp_path):
         LLM(ckpt, **SMALL)
     msg = str(e.value)
     assert f"tensor {Q_PROJ}.weight has dtype F32, expected F8_E4M3" in msg
-    assert f"missing tensor {Q_PROJ}.weight_scale (expected shape [64, 2])" in msg
+    assert f"missing tensor {Q_PROJ}.weight_scale (expected shape [64, 2], part of {QKV_PROJ}.weight_scale)" in msg
 
 
 def test_bad_scale_shape_names_the_tensor(quantized, tmp_path):

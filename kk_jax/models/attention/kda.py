@@ -16,13 +16,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kk_jax.models.layers.linear import Linear
+from kk_jax.models.layers.linear import Linear, project
 from kk_jax.models.layers.norm import rms_norm
 from kk_jax.parallel.mesh import shard_heads
 from pallas_kernels.kda import chunk_kda, kda_decode, kda_gate
 
 
 class KDAAttention(nnx.Module):
+    FUSIBLE = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+
     def __init__(self, cfg, dtype):
         d, h, dk = cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim
         qkv = h * dk
@@ -64,7 +66,7 @@ class KDAAttention(nnx.Module):
         Returns (out [B, T, D], state_pool, conv_pool)."""
         b, t, _ = x.shape
         h, dk = self.h, self.dk
-        mixed = jnp.stack([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=2)            # [B, T, 3, H·K]
+        mixed = jnp.stack(project(self, "qkv_proj", x), axis=2)                             # [B, T, 3, H·K]
         valid_len = jnp.sum(valid, axis=1).astype(jnp.int32)
         mixed, conv = self._conv(mixed, conv_pool[slots], valid_len)
         conv_pool = conv_pool.at[slots].set(conv.astype(conv_pool.dtype))

@@ -23,7 +23,7 @@ inside ``jax.shard_map`` over ``tp``) or by their jnp twins (``backend="xla"``, 
 XLA). Block FP8 runs W8A16 unless ``act_quant`` asks for the release's W8A8 numerics.
 
 :class:`FusedLinear` computes several projections of the same input as one matmul along N
-(e.g. every draft layer's K and V projection of the context features). Its weight is the
+(an MLP's gate and up, an attention's q, k and v: :func:`fuse_projections`). Its weight is the
 members' checkpoint tensors concatenated along N at load time (per tensor-parallel shard, so
 each device holds whole rows of its own heads of every member); mixing formats, in
 particular MXFP8 and non-MXFP8 members, is rejected by :func:`quantize_linears` before any
@@ -250,11 +250,61 @@ def quantize_linears(model: nnx.Module, qcfg: QuantConfig | None, *, tensor_name
     return done
 
 
+def project(module: nnx.Module, group: str, x: jax.Array) -> list[jax.Array]:
+    """The outputs ``[..., N_i]`` of the projections ``module.FUSIBLE[group]`` names, all of ``x``:
+    one matmul when :func:`fuse_projections` fused them into ``module.<group>``, else one each."""
+    fused = getattr(module, group, None)
+    if fused is not None:
+        return fused.split(fused(x))
+    return [getattr(module, m)(x) for m in module.FUSIBLE[group]]
+
+
+def fuse_projections(model: nnx.Module, qcfg: QuantConfig | None = None, tensor_names: Iterable[str] | None = None,
+                     mesh=None) -> list[str]:
+    """Replaces each group of sibling projections that a module lists in ``FUSIBLE`` (``{group:
+    (member, ...)}``, e.g. an MLP's gate and up) by one :class:`FusedLinear` named ``group``.
+
+    Decode streams every weight once per step; one larger matmul instead of two or three small
+    ones saves their launches and tails. A group is fused only when its members can share one
+    matmul and one load: plain Linears without bias, the same tensor-parallel split, one
+    quantization format other than NVFP4 (whose per-tensor global scales differ between
+    members), and for block FP8 whole 128-row blocks per member and shard. Call it on a freshly
+    built (or abstract) model before :func:`quantize_linears`; models call :func:`project`,
+    which works either way. Returns the fused modules' names."""
+    names = set(tensor_names) if tensor_names is not None else None
+    fused = []
+    for path, module in list(nnx.iter_modules(model)):
+        for group, members in getattr(module, "FUSIBLE", {}).items():
+            prefix = ".".join(map(str, path))
+            full = [f"{prefix}.{m}" if prefix else m for m in members]
+            linears = [getattr(module, m, None) for m in members]
+            if not all(type(lin) is Linear and lin.bias is None for lin in linears):
+                continue
+            if len({tuple(spec(lin.axes)) for lin in linears}) > 1:
+                continue
+            methods = {qcfg.method_for(n, names) if qcfg else None for n in full}
+            method = methods.pop() if len(methods) == 1 else "mixed"
+            if method in ("mixed", "nvfp4"):
+                continue
+            shards = _tp_shards(linears[0].axes, mesh, 0)
+            if method == "fp8_block" and any(lin.out_features % shards or (lin.out_features // shards) % qcfg.block[0]
+                                             for lin in linears):
+                continue
+            setattr(module, group, FusedLinear(linears[0].in_features,
+                                               [(n, lin.out_features) for n, lin in zip(full, linears)],
+                                               linears[0].weight.dtype, linears[0].axes))
+            for m in members:
+                setattr(module, m, None)
+            fused.append(f"{prefix}.{group}")
+    return fused
+
+
 def prepare_linears(model: nnx.Module, model_dir=None, *, backend: str = "xla", mesh=None,
                     act_quant: bool = False, interpret: bool = False) -> nnx.Module:
-    """Applies the quantization of checkpoint ``model_dir`` (none if None or unquantized) to
-    ``model``'s linears with :func:`quantize_linears` and returns ``model``. FusedLinears get
-    their tensor-parallel layout even when nothing is quantized."""
+    """Fuses sibling projections (:func:`fuse_projections`), applies the quantization of
+    checkpoint ``model_dir`` (none if None or unquantized) to ``model``'s linears with
+    :func:`quantize_linears` and returns ``model``. FusedLinears get their tensor-parallel
+    layout even when nothing is quantized."""
     from kk_jax.checkpoint.safetensors_io import index_checkpoint
     from kk_jax.quant.config import detect
 
@@ -265,6 +315,7 @@ def prepare_linears(model: nnx.Module, model_dir=None, *, backend: str = "xla", 
             names = set(index_checkpoint(model_dir))
         except FileNotFoundError:
             names = None            # the loader reports the missing files
+    fuse_projections(model, qcfg, names, mesh)
     quantize_linears(model, qcfg, tensor_names=names, backend=backend, mesh=mesh, act_quant=act_quant,
                      interpret=interpret)
     return model

@@ -8,10 +8,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kk_jax.models.layers.linear import Linear
+from kk_jax.models.layers.linear import Linear, project
 
 
 class SwiGLU(nnx.Module):
+    FUSIBLE = {"gate_up_proj": ("gate_proj", "up_proj")}
+
     def __init__(self, hidden: int, intermediate: int, dtype, limit: float | None = None):
         self.limit = limit
         self.gate_proj = Linear(hidden, intermediate, dtype, axes=("mlp", "embed"))
@@ -19,7 +21,7 @@ class SwiGLU(nnx.Module):
         self.down_proj = Linear(intermediate, hidden, dtype, axes=("embed", "mlp"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = project(self, "gate_up_proj", x)
         if self.limit is not None:
             gate = jnp.minimum(gate, self.limit)
             up = jnp.clip(up, -self.limit, self.limit)
