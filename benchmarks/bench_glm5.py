@@ -250,7 +250,7 @@ def main():
                        min(a.prefill_tokens, min(a.context)), page, a.experts, a.trace)
         if a.trace:
             from trace_summary import print_summary
-            for part in ("prefill", "decode"):
+            for part in ("prefill", "decode") if a.prefill_tokens else ("decode",):
                 print(f"== trace: {part} ==")
                 print_summary(f"{a.trace}/{part}")
     if a.json:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from pathlib import Path
 
 import jax
@@ -18,7 +19,7 @@ from kk_jax.checkpoint.default import cache_root
 from kk_jax.config import EngineConfig, load_model_config, resolve_dtype
 from kk_jax.engine.request import (Request, RequestError, RequestOutput, SamplingParams, Status,
                                    TokenLogprob)
-from kk_jax.engine.runner import MAX_STOP_IDS, DecodeRow, ModelRunner, PrefillRow, Sampled
+from kk_jax.engine.runner import MAX_STOP_IDS, DecodeRow, ModelRunner, PrefillRow, Sampled, claim_device_memory
 from kk_jax.engine.scheduler import Scheduler
 from kk_jax.models.registry import model_class
 from kk_jax.parallel.mesh import make_mesh
@@ -52,6 +53,7 @@ class LLMEngine:
         self.model_dir = Path(model)
         self.config = config
         enable_compilation_cache(config.compilation_cache_dir)
+        claim_device_memory(config.gpu_memory_utilization)
         self.model_config = load_model_config(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
         self.dtype = resolve_dtype(dtype, self.model_config.torch_dtype)
@@ -70,9 +72,10 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = 0
         self.num_aborted = 0
+        t0 = time.perf_counter()
         self.warmup_report = self.runner.warmup() if warmup else []
         if warmup:
-            log.info("warm-up compiled %d programs in %.1fs", len(self.warmup_report), self.runner.compile_seconds)
+            log.info("warm-up compiled %d programs in %.1fs", len(self.warmup_report), time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:

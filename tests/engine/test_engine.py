@@ -1,5 +1,6 @@
 """Engine behaviour: compile-once, donation, preemption, batch invariance, stops, aborts, errors."""
 
+import os
 import random
 
 import jax
@@ -157,3 +158,20 @@ def test_bad_requests_are_rejected_and_engine_keeps_running(llm, prompt, params,
 def test_invalid_sampling_params(kwargs, match):
     with pytest.raises(RequestError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_gpu_memory_utilization_is_a_share_of_the_whole_gpu(monkeypatch):
+    """--gpu-memory-utilization 0.9 means 90 % of the GPU, as in vLLM: the allocator is told so
+    (unless the user set its fraction) and the page budget is not shrunk by JAX's 75 % default twice."""
+    from kk_jax.engine.runner import claim_device_memory, memory_budget
+
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "")            # restored (or removed) afterwards
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    assert memory_budget(75, 0.9) == 75                        # default allocator: 75 % of a 100-byte GPU
+    claim_device_memory(0.9)
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9"
+    assert memory_budget(90, 0.9) == 90
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")      # the user's own fraction wins
+    claim_device_memory(0.5)
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.95"
+    assert abs(memory_budget(95, 0.5) - 50) < 1e-9
