@@ -5,7 +5,9 @@ Math (reference/models.md, reference/qwen3-checkpoint.md): per layer
 q and k before RoPE (rotate-half, ``rope_theta``), then ``h + mlp(post_attention_layernorm(h))``
 with SwiGLU; a final RMSNorm and an lm_head (tied to the embedding when
 ``tie_word_embeddings``). Attribute names mirror the HF tensor names, so the NNX state path
-``model.layers.3.self_attn.q_proj.weight`` *is* the checkpoint name.
+``model.layers.3.self_attn.o_proj.weight`` *is* the checkpoint name; q/k/v and gate/up run fused
+(``qkv_proj`` / ``gate_up_proj``, see ``layers.linear.fuse_projections``) and their parameters
+name the checkpoint tensors they concatenate.
 """
 
 from __future__ import annotations
