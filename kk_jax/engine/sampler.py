@@ -16,6 +16,8 @@ import numpy as np
 
 from kk_jax.engine.request import MAX_LOGPROBS, SamplingParams
 
+F32_MAX = float(np.finfo(np.float32).max)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -38,7 +40,8 @@ class SamplingArrays:
         for i, (sp, seed) in enumerate(zip(params, seeds)):
             if sp is None:
                 continue
-            t[i], p[i], m[i], s[i] = sp.temperature, sp.top_p, sp.min_p, seed % (1 << 32)
+            # a temperature beyond float32 samples as uniformly as the largest float32 one
+            t[i], p[i], m[i], s[i] = min(sp.temperature, F32_MAX), sp.top_p, sp.min_p, seed % (1 << 32)
             k[i] = min(sp.top_k, np.iinfo(np.int32).max)        # top_k beyond the vocabulary = no top-k
             lp[i] = sp.logprobs or 0
         return SamplingArrays(t, k, p, m, s, lp)

@@ -60,3 +60,15 @@ def test_alternatives_are_computed_only_when_a_row_asks():
     _, _, top_ids, top_lp = jax.jit(sample)(logits, mixed, idx)
     assert list(np.asarray(top_ids[1])) == [0, 1, 2, 3]
     np.testing.assert_allclose(np.exp(np.asarray(top_lp[1])), [0.5, 0.25, 0.15, 0.1], rtol=1e-5)
+
+
+def test_huge_temperature_is_clamped_not_overflowed():
+    import warnings
+
+    from kk_jax.engine.request import SamplingParams
+    from kk_jax.engine.sampler import F32_MAX, SamplingArrays
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                       # no overflow in the float32 cast
+        sa = SamplingArrays.from_params([SamplingParams(temperature=1e300)], [0], 1)
+    assert float(sa.temperature[0]) == F32_MAX
