@@ -75,6 +75,8 @@ class SparseMLA(nnx.Module):
             return mm("bthc,hvc->bthv", o_lat, wkv[:, nope:]).astype(x.dtype)
 
         g = (min(self.indexer.select_pools, keys.shape[1]) + self.indexer.with_tail) * self.indexer.kpool
+        # bytes per query: indexer dots and ReLU [ih, NP] + scores [NP] (f32), gathered latents
+        # [G, kl], scores / probabilities / mask [H, G], q_abs and o_lat [H, kl] (f32)
         per_query = (8 * keys.shape[1] * (self.indexer.heads + 1) + g * kl * jnp.dtype(op).itemsize
                      + 12 * h * g + 8 * h * kl)
         o = by_query_blocks(attend, query_block(b, t, per_query), q, qr, x, batch.positions)
