@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import time
 
 HBM_BYTES_PER_S = 4.2e12
@@ -212,9 +211,11 @@ def bench(c, backend: str, batches, contexts, steps: int, iters: int, tp: int, p
 
 
 def main():
+    from kk_jax.engine.runner import claim_device_memory
+
     # weights, pools and a prefill chunk's activations of a full-width model need more than JAX's
     # default 75 % of the GPU
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    claim_device_memory(0.95)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--memory-plan", action="store_true")
     ap.add_argument("--experts", default="nvfp4", choices=sorted(EXPERT_BYTES_PER_PARAM),

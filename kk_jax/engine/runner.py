@@ -45,8 +45,6 @@ log = logging.getLogger(__name__)
 
 MAX_STOP_IDS = 16
 WARMUP_THREADS = 8           # concurrent start-up compiles (each holds a program's compiler state)
-
-
 JAX_DEFAULT_MEM_FRACTION = 0.75     # share of a GPU JAX's allocator may use unless told otherwise
 
 
