@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import time
 
@@ -137,7 +138,7 @@ def experts_only_checkpoint(directory, experts: str):
 
 
 def bench(c, backend: str, batches, contexts, steps: int, iters: int, tp: int, prefill_tokens: int,
-          page_size: int, experts: str = "bf16", trace_dir: str | None = None):
+          page_size: int, experts: str = "bf16", trace_dir: str | None = None, scan: bool = True):
     import tempfile
     from pathlib import Path
 
@@ -156,7 +157,7 @@ def bench(c, backend: str, batches, contexts, steps: int, iters: int, tp: int, p
     per_seq = math.ceil(max_len / page_size)
     ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_b, max_num_batched_tokens=prefill_tokens or 16,
                         page_size=page_size, num_pages=max_b * per_seq + 1, tp=tp, decode_steps=steps,
-                        kernel_backend=backend)
+                        kernel_backend=backend, scan_layers=scan)
     t0 = time.perf_counter()
     model_dir = None if experts == "bf16" else experts_only_checkpoint(Path(tempfile.mkdtemp()), experts)
     runner = ModelRunner(Glm5NextForConditionalGeneration, c, model_dir, jnp.bfloat16, ecfg, make_mesh(tp),
@@ -207,6 +208,7 @@ def bench(c, backend: str, batches, contexts, steps: int, iters: int, tp: int, p
             if trace_dir and b == max_b and context == contexts[-1]:
                 with jax.profiler.trace(f"{trace_dir}/decode"):
                     runner.decode(drows)
+    emit(rows, dict(kind="compile", scan=scan, programs=len(runner._compiled), seconds=runner.compile_seconds))
     return rows
 
 
@@ -216,6 +218,8 @@ def main():
     # weights, pools and a prefill chunk's activations of a full-width model need more than JAX's
     # default 75 % of the GPU
     claim_device_memory(0.95)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("kk_jax").setLevel(logging.INFO)           # per-program compile times
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--memory-plan", action="store_true")
     ap.add_argument("--experts", default="nvfp4", choices=sorted(EXPERT_BYTES_PER_PARAM),
@@ -235,6 +239,7 @@ def main():
     ap.add_argument("--trace", default=None, help="trace one prefill and one decode call (largest batch) "
                     "into DIR/prefill and DIR/decode and print where the GPU time goes")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-scan", dest="scan", action="store_false", help="unroll every layer (EngineConfig.scan_layers)")
     a = ap.parse_args()
     if a.memory_plan:
         context = max(a.context)
@@ -248,7 +253,7 @@ def main():
         c = tiny_config() if a.tiny else flash_config(a.layers)
         page = 16 if a.tiny else a.page_size
         result = bench(c, a.backend, a.batch, a.context, a.steps, a.iters, a.tp,
-                       min(a.prefill_tokens, min(a.context)), page, a.experts, a.trace)
+                       min(a.prefill_tokens, min(a.context)), page, a.experts, a.trace, a.scan)
         if a.trace:
             from trace_summary import print_summary
             for part in ("prefill", "decode") if a.prefill_tokens else ("decode",):

@@ -234,6 +234,8 @@ class EngineConfig:
     seed: int = 0
     compilation_cache_dir: str | None = None
     load_mtp: bool = False                # also load the model's MTP (NextN) block, for speculative decoding
+    scan_layers: bool = True              # a model's repeating layer groups run as one scanned body
+                                          # (compiled once; off: every layer unrolled)
     fp8_activations: bool = False         # block-FP8 linears run W8A8 (activations to e4m3 per 1x128 group,
                                           # the release's reference numerics); off = W8A16, closer to bf16
 

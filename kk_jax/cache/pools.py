@@ -13,6 +13,12 @@ donated pytree:
   Slot 0 is a dummy; a slot is zeroed before a new sequence uses it.
 
 ``axes`` gives the logical axes of ``entry_shape`` for sharding (e.g. ``("kv_heads", None)``).
+
+``stack = L`` makes one entry hold the pools of ``L`` layers that run as one scanned layer
+group (the model compiles the group's body once): the leading dimension is ``L·num_pages``
+(or ``L·num_slots``) and layer ``j`` uses pages ``j·num_pages + p`` and slots
+``j·num_slots + s``, so its page 0 and slot 0 are again dummies and the layer's code indexes
+the stacked pool with shifted page tables and slots, unchanged.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class PagedSpec:
     dtype: Any
     axes: tuple[str | None, ...]
     tokens_per_entry: int = 1
+    stack: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,13 +49,15 @@ class SlotSpec:
     entry_shape: tuple[int, ...]
     dtype: Any
     axes: tuple[str | None, ...]
+    stack: int = 1
 
 
 CacheLayout = dict[str, Union[PagedSpec, SlotSpec]]
 
 
 def _entry_bytes(spec) -> int:
-    return math.prod(spec.entry_shape) * jnp.dtype(spec.dtype).itemsize
+    """Bytes of one entry summed over the ``stack`` layers that share the spec."""
+    return spec.stack * math.prod(spec.entry_shape) * jnp.dtype(spec.dtype).itemsize
 
 
 def bytes_per_page(layout: CacheLayout, page_size: int) -> int:
@@ -65,8 +74,8 @@ def pool_shape(spec, num_pages: int, page_size: int, num_slots: int) -> tuple[in
     if isinstance(spec, PagedSpec):
         if page_size % spec.tokens_per_entry:
             raise ValueError(f"page_size {page_size} is not a multiple of {spec.tokens_per_entry} tokens per entry")
-        return (num_pages, page_size // spec.tokens_per_entry, *spec.entry_shape)
-    return (num_slots, *spec.entry_shape)
+        return (spec.stack * num_pages, page_size // spec.tokens_per_entry, *spec.entry_shape)
+    return (spec.stack * num_slots, *spec.entry_shape)
 
 
 def pool_sharding(spec, mesh: Mesh):
@@ -85,16 +94,23 @@ def allocate_pools(layout: CacheLayout, *, num_pages: int, page_size: int, num_s
     return pools
 
 
-def _zero_slots(pools, slots, names):
-    return {n: (a.at[slots].set(0) if n in names else a) for n, a in pools.items()}
+def _zero_slots(pools, slots, stacks):
+    stacks = dict(stacks)
+
+    def zero(a, stack):
+        n = a.shape[0] // stack
+        return a.at[(jnp.arange(stack)[:, None] * n + slots[None, :]).reshape(-1)].set(0)
+
+    return {n: (zero(a, stacks[n]) if n in stacks else a) for n, a in pools.items()}
 
 
 _zero_slots_jit = jax.jit(_zero_slots, donate_argnums=(0,), static_argnums=(2,))
 
 
 def zero_slots(pools: dict, layout: CacheLayout, slots: jax.Array) -> dict:
-    """Zeroes the given slots of every SlotSpec entry in place (pools are donated)."""
-    names = tuple(sorted(n for n, s in layout.items() if isinstance(s, SlotSpec)))
-    if not names:
+    """Zeroes the given slots (in every stacked layer) of every SlotSpec entry in place (pools
+    are donated)."""
+    stacks = tuple(sorted((n, s.stack) for n, s in layout.items() if isinstance(s, SlotSpec)))
+    if not stacks:
         return pools
-    return _zero_slots_jit(pools, slots, names)
+    return _zero_slots_jit(pools, slots, stacks)

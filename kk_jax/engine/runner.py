@@ -31,7 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kk_jax.cache.pools import CacheLayout, SlotSpec, allocate_pools, bytes_per_page, pool_sharding, zero_slots
-from kk_jax.checkpoint.loader import TensorSpec, load_params, random_params, tensor_spec
+from kk_jax.checkpoint.loader import TensorSpec, expected_tensors, load_params, random_params, tensor_spec
 from kk_jax.config import ConfigError, EngineConfig
 from kk_jax.engine.request import MAX_LOGPROBS
 from kk_jax.engine.sampler import SamplingArrays, sample
@@ -46,6 +46,11 @@ log = logging.getLogger(__name__)
 MAX_STOP_IDS = 16
 WARMUP_THREADS = 8           # concurrent start-up compiles (each holds a program's compiler state)
 JAX_DEFAULT_MEM_FRACTION = 0.75     # share of a GPU JAX's allocator may use unless told otherwise
+# Programs that scan stacked layer weights multiply them with cuBLAS, whose calls read one
+# layer's slice of the stack in place; XLA's Triton GEMM fusions copy the slice first (on the
+# H200, 10 bf16 4096x12288 GEMVs in a scan: 0.33 ms with cuBLAS, 0.85 ms with Triton fusions;
+# unrolled with Triton 0.29 ms; benchmarks/RESULTS.md).
+SCANNED_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
 def claim_device_memory(utilization: float) -> None:
@@ -214,12 +219,13 @@ class ModelRunner:
             act_quant=cfg.fp8_activations), model_dir, mesh=mesh))
         self.graphdef, state = nnx.split(abstract)
         flat = nnx.to_flat_state(state)
-        expected, stacks = checkpoint_tensors(flat)
         t0 = time.perf_counter()
         if random_weights_seed is None:
+            expected, stacks = checkpoint_tensors(flat)
             params = load_params(model_dir, expected, dtype, mesh, progress=progress,
                                  ignore=model_cls.ignored_tensors(model_cfg, **extra))
-        else:
+        else:                               # drawn in the model's own (stacked) shapes
+            expected, stacks = expected_tensors(flat), {}
             params = random_params(expected, dtype, mesh, random_weights_seed)
         pure = {}
         for path, var in flat:
@@ -230,13 +236,25 @@ class ModelRunner:
             node[path[-1]] = (stack_experts([params.pop(n) for n in stacks[name]], sharding(mesh, var.axes))
                               if name in stacks else params.pop(name))
         nnx.replace_by_pure_dict(state, pure)
+        del pure
+        scan_plan = getattr(model_cls, "layer_scan", lambda _: None)(model_cfg) if cfg.scan_layers else None
+        self.compiler_options: dict = {}
+        if scan_plan:                       # repeating layer groups: weights stacked, compiled once
+            model = nnx.merge(self.graphdef, state)
+            del state
+            model.stack_layers(scan_plan)
+            self.graphdef, state = nnx.split(model)
+            del model
+            if jax.default_backend() == "gpu":
+                self.compiler_options = SCANNED_GPU_OPTIONS
         self.weights, self.treedef = jax.tree.flatten(state)
         self.weights = tuple(self.weights)
         self.weight_bytes = sum(w.nbytes for w in self.weights)
         log.info("loaded %d tensors (%.1f MB) in %.2fs", len(expected), self.weight_bytes / 1e6,
                  time.perf_counter() - t0)
 
-        self.layout: CacheLayout = model_cls.cache_layout(model_cfg, kv_dtype(cfg.kv_cache_dtype, dtype), **extra)
+        self.layout: CacheLayout = model_cls.cache_layout(model_cfg, kv_dtype(cfg.kv_cache_dtype, dtype), **extra,
+                                                          **({"scan": scan_plan} if scan_plan else {}))
         self.num_pages = cfg.num_pages or self._pages_from_budget()
         if self.num_pages - 1 < self.max_pages_per_seq:
             raise ValueError(f"the KV cache holds {self.num_pages - 1} pages of {cfg.page_size} tokens, fewer than "
@@ -334,7 +352,7 @@ class ModelRunner:
         key = (kind, b, t)
         if key not in self._compiled:
             t0 = time.perf_counter()
-            exe = (lowered or self._lower(kind, b, t)).compile()
+            exe = (lowered or self._lower(kind, b, t)).compile(compiler_options=self.compiler_options or None)
             dt = time.perf_counter() - t0
             with self._compile_lock:
                 self._compiled[key] = exe

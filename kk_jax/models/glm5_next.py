@@ -7,7 +7,9 @@ and lm_head (reference/models.md §1, reference/glm5-checkpoint.md). NNX paths e
 checkpoint names (``model.language_model.layers.{i}...``); routed experts are stacked at load.
 
 Cache pools per layer: KDA — ``state [H, K, V]`` fp32 and ``conv`` slots; DSA — latent pages,
-pooled index-key pages and the indexer's open-group ``tail`` slot. The vision tower
+pooled index-key pages and the indexer's open-group ``tail`` slot. The repeating run of layer
+groups (``layer_scan``) can be stacked after loading and scanned, so that a 45-layer trunk
+compiles 9 layer bodies (``layers.scan``). The vision tower
 (``model.visual.*``) and the MTP block (layer ``num_hidden_layers``) are not served yet; their
 tensors are accepted and skipped.
 """
@@ -32,6 +34,7 @@ from kk_jax.models.layers.mhc import mhc_post, mhc_pre
 from kk_jax.models.layers.mlp import SwiGLU
 from kk_jax.models.layers.moe import MoE
 from kk_jax.models.layers.norm import RMSNorm
+from kk_jax.models.layers.scan import Plan, repeating_groups, scan_groups, stack_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,34 +158,54 @@ class Glm5NextForConditionalGeneration(nnx.Module):
 
     def __init__(self, cfg: Glm5NextConfig, dtype, mtp: bool = False):
         self.cfg, self.mtp = cfg, mtp
+        self.scan: Plan | None = None            # set by stack_layers
         self.model = Glm5Outer(cfg, dtype, mtp)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype, axes=("vocab", "embed"))
 
     @staticmethod
-    def cache_layout(cfg: Glm5NextConfig, kv_dtype, mtp: bool = False) -> CacheLayout:
+    def layer_scan(cfg: Glm5NextConfig) -> Plan | None:
+        """The run of identical layer groups (attention kind and MLP kind per layer) to scan:
+        for GLM-5.3-Flash layers 3-42, ten groups of DSA + 3 KDA (models.md §1.1)."""
+        return repeating_groups(list(zip(cfg.layer_types, cfg.mlp_layer_types)))
+
+    @staticmethod
+    def cache_layout(cfg: Glm5NextConfig, kv_dtype, mtp: bool = False, scan: Plan | None = None) -> CacheLayout:
         """KDA: fp32 recurrent state and conv inputs (lossless for bf16 projections). DSA (and the
         MTP block's own DSA when ``mtp``): latent pages and pooled index keys in ``kv_dtype``;
         with fp8, index keys in the serving layout (Hadamard-rotated e4m3 + a power-of-two scale
-        per pool: 33 B/token at d = 128)."""
+        per pool: 33 B/token at d = 128). With a ``scan`` plan the run's template layers hold
+        their group's pools stacked (``stack = count``) and the other layers of the run none."""
         h, dk = cfg.linear_num_heads, cfg.linear_head_dim
         fp8 = jnp.dtype(kv_dtype) == jnp.dtype(jnp.float8_e4m3fn)
         layout: CacheLayout = {}
         kinds = list(cfg.layer_types) + (["mtp"] if mtp else [])
+        first, period, count = scan or (0, 0, 1)
         for i, kind in enumerate(kinds):
-            p = f"layers.{i}."
+            p, stack = f"layers.{i}.", 1
+            if first <= i < first + period * count:
+                if i >= first + period:
+                    continue
+                stack = count
             if kind == LINEAR:
-                layout[p + "state"] = SlotSpec((h, dk, dk), jnp.float32, ("heads", None, None))
+                layout[p + "state"] = SlotSpec((h, dk, dk), jnp.float32, ("heads", None, None), stack)
                 layout[p + "conv"] = SlotSpec((3, cfg.linear_conv_kernel_dim - 1, h * dk), jnp.float32,
-                                              (None, None, "heads"))
+                                              (None, None, "heads"), stack)
             else:
-                layout[p + "latent"] = PagedSpec((cfg.kv_lora_rank,), kv_dtype, (None,))
+                layout[p + "latent"] = PagedSpec((cfg.kv_lora_rank,), kv_dtype, (None,), stack=stack)
                 layout[p + "index_k"] = PagedSpec((cfg.index_head_dim,), kv_dtype, (None,),
-                                                  tokens_per_entry=cfg.index_kpool)
+                                                  tokens_per_entry=cfg.index_kpool, stack=stack)
                 if fp8:
-                    layout[p + "index_k_scale"] = PagedSpec((), jnp.float32, (), tokens_per_entry=cfg.index_kpool)
+                    layout[p + "index_k_scale"] = PagedSpec((), jnp.float32, (), tokens_per_entry=cfg.index_kpool,
+                                                            stack=stack)
                 layout[p + "index_tail"] = SlotSpec((2, cfg.index_kpool, cfg.index_head_dim), jnp.float32,
-                                                    (None, None, None))
+                                                    (None, None, None), stack)
         return layout
+
+    def stack_layers(self, plan: Plan) -> None:
+        """After loading: stack the weights of ``plan``'s run (``layers.scan``); the forward then
+        scans it over pools laid out by ``cache_layout(..., scan=plan)``."""
+        stack_layers(self.model.language_model.layers, plan)
+        self.scan = plan
 
     @staticmethod
     def divisible_sizes(cfg: Glm5NextConfig) -> dict[str, int]:
@@ -215,11 +238,28 @@ class Glm5NextForConditionalGeneration(nnx.Module):
         x = lm.embed_tokens(tokens)                                                          # [B, T, D]
         x = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.cfg.hc_mult, x.shape[-1]))
         pools = dict(pools)
+        first, period, count = self.scan or (self.cfg.num_hidden_layers, 0, 0)
         for i in range(self.cfg.num_hidden_layers):
-            with jax.named_scope(f"layer_{i}"):
-                x, pools = lm.layers[i](x, pools, batch, ops)
+            if i == first:
+                with jax.named_scope(f"layers_{first}_to_{first + period * count - 1}"):
+                    x, pools = scan_groups([lm.layers[first + k] for k in range(period)], self.scan, (x, pools), batch,
+                                           *self._stacked_sizes(pools),
+                                           lambda layer, c, b: layer(*c, b, ops))
+            elif not first < i < first + period * count:
+                with jax.named_scope(f"layer_{i}"):
+                    x, pools = lm.layers[i](x, pools, batch, ops)
         h = jnp.mean(x.astype(jnp.float32), axis=2).astype(x.dtype)
         return lm.norm(h), pools
+
+    def _stacked_sizes(self, pools: dict) -> tuple[int, int]:
+        """(pages, slots) per layer of the scanned run's stacked pools."""
+        first, period, count = self.scan
+        sizes = {}
+        for k in range(period):
+            for entry, what in (("latent", "pages"), ("index_tail", "slots"), ("state", "slots")):
+                if f"layers.{first + k}.{entry}" in pools:
+                    sizes[what] = pools[f"layers.{first + k}.{entry}"].shape[0] // count
+        return sizes.get("pages", 0), sizes.get("slots", 0)
 
     def mtp_hidden(self, next_tokens, h, batch: AttentionBatch, pools: dict, ops: Glm5Ops,
                    zero_first_embedding: bool = False):

@@ -32,6 +32,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kda-backend", default="auto", choices=["auto", "pallas", "xla"],
                     help="KDA layers only (GLM-5.3); auto follows --kernel-backend; fixed for the server's lifetime")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
+                    help="compile every layer on its own instead of scanning repeating layer groups "
+                         "(slower start-up; for comparisons)")
     ap.add_argument("--fp8-activations", action="store_true",
                     help="block-FP8 checkpoints: W8A8 (activations quantized to e4m3 per 1x128 group, the release's "
                          "reference numerics) instead of the default W8A16")
@@ -55,7 +58,7 @@ def build(args):
                           num_pages=args.num_pages, gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_dtype=args.kv_cache_dtype, tp=args.tp, decode_steps=args.decode_steps,
                           kernel_backend=args.kernel_backend, kda_backend=args.kda_backend, seed=args.seed,
-                          fp8_activations=args.fp8_activations)
+                          scan_layers=args.scan_layers, fp8_activations=args.fp8_activations)
     engine = LLMEngine(model, dtype=args.dtype, config=config)
     for kind, b, t, secs in engine.warmup_report:
         logging.getLogger("kk_jax").info("compiled %-7s batch=%-3d tokens=%-4d %.2fs", kind, b, t, secs)

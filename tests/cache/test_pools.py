@@ -73,3 +73,24 @@ def test_slot_allocator_marks_reused_slots_dirty():
     slots.free(a)
     again = slots.allocate()
     assert again == a and slots.take_dirty() == [a]              # reuse must be zeroed first
+
+
+def test_stacked_entries_hold_every_layer_and_zero_a_slot_in_each():
+    layout = {"layers.1.state": SlotSpec((2, 4), jnp.float32, ("heads", None), stack=3),
+              "layers.1.latent": PagedSpec((8,), jnp.float32, (None,), stack=3)}
+    pools = allocate_pools(layout, num_pages=5, page_size=4, num_slots=4, mesh=make_mesh(1))
+    assert pools["layers.1.state"].shape == (12, 2, 4) and pools["layers.1.latent"].shape == (15, 4, 8)
+    assert bytes_per_slot(layout) == 3 * 2 * 4 * 4 and bytes_per_page(layout, 4) == 3 * 4 * 8 * 4
+    pools = {n: a + 1 for n, a in pools.items()}
+    st = np.asarray(zero_slots(pools, layout, jnp.array([2], jnp.int32))["layers.1.state"]).reshape(3, 4, 2, 4)
+    assert (st[:, 2] == 0).all() and (st[:, [0, 1, 3]] == 1).all()      # slot 2 of each stacked layer
+
+
+def test_repeating_groups_finds_the_glm_trunk_run():
+    from kk_jax.models.layers.scan import repeating_groups
+
+    kinds = ["kda", "kda", "kda", "dsa"] * 11 + ["kda"]
+    mlp = ["dense"] * 3 + ["moe"] * 42
+    assert repeating_groups(list(zip(kinds, mlp))) == (3, 4, 10)        # layers 3-42: 9 bodies compiled, not 45
+    assert repeating_groups(["a", "b", "c"]) is None
+    assert repeating_groups(["a", "b", "b", "b"]) == (1, 1, 3)

@@ -177,3 +177,51 @@ def test_kda_backend_is_fixed_per_engine_and_checked(ckpt, llm):
         LLM(ckpt, kda_backend="pallas", **LIMITS)
     with pytest.raises(ConfigError, match="kda_backend must be auto, pallas or xla, got 'triton'"):
         LLM(ckpt, kda_backend="triton", **LIMITS)
+
+
+def test_scanned_layer_groups_equal_unrolled_layers(tmp_path):
+    """Nine layers (a dense KDA layer, then two groups of KDA, KDA, DSA, KDA with MoE): the
+    repeating groups run as one scan over stacked weights and stacked pools; logits (prefill and
+    decode paths) and greedy tokens equal those of every layer unrolled."""
+    from checkpoints.make_tiny import make_tiny
+    from kk_jax.cache.pools import PagedSpec
+
+    ckpt = make_tiny(tmp_path, arch="glm5_next", dtype="float32", seed=5, num_layers=9, first_dense_layers=1)
+    limits = {**LIMITS, "max_num_seqs": 2, "max_num_batched_tokens": 16}
+    scanned, unrolled = LLM(ckpt, **limits), LLM(ckpt, scan_layers=False, **limits)
+    layout = scanned.engine.runner.layout
+    assert layout["layers.3.latent"] == PagedSpec((32,), jnp.float32, (None,), stack=2)       # layers 3 and 7
+    assert [layout[f"layers.{i}.state"].stack for i in (0, 1, 2, 4)] == [1, 2, 2, 2]
+    assert not any(n.startswith(tuple(f"layers.{i}." for i in range(5, 9))) for n in layout)
+    ids = [int(x) for x in np.random.default_rng(2).integers(0, 1000, 30)]
+    for chunk in (1, 16):
+        want, got = chunked_logits(unrolled, ids, chunk), chunked_logits(scanned, ids, chunk)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.max(np.abs(want)))
+    prompts = FIXTURE["prompts"][:2]
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    assert [o.token_ids for o in scanned.generate(prompts, params)] == \
+        [o.token_ids for o in unrolled.generate(prompts, params)]
+
+
+def test_random_weights_take_the_models_stacked_shapes(tmp_path):
+    """Benchmarks draw random weights directly in the model's own shapes (stacked experts, then
+    stacked layer groups), without per-expert tensors; the runner then decodes with them."""
+    from checkpoints.make_tiny import make_tiny
+    from kk_jax.config import Glm5NextConfig
+    from kk_jax.engine.runner import DecodeRow, ModelRunner
+    from kk_jax.models.glm5_next import Glm5NextForConditionalGeneration
+    from kk_jax.parallel.mesh import make_mesh
+
+    ckpt = make_tiny(tmp_path, arch="glm5_next", dtype="float32", seed=5, num_layers=9, first_dense_layers=1)
+    cfg = Glm5NextConfig.from_hf(json.loads((ckpt / "config.json").read_text()))
+    ecfg = EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, page_size=16, num_pages=9,
+                        decode_steps=2)
+    r = ModelRunner(Glm5NextForConditionalGeneration, cfg, None, jnp.float32, ecfg, make_mesh(1), progress=False,
+                    random_weights_seed=0)
+    model = r._model(r.weights)
+    experts = model.model.language_model.layers[1].mlp.experts.gate_proj
+    assert experts.shape == (2, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+    assert model.model.language_model.layers[5] is None
+    row = DecodeRow(token=3, position=0, pages=[1], slot=1, budget=2, stop_ids=[], params=SamplingParams(max_tokens=2),
+                    seed=0, token_index=0)
+    assert len(r.decode([row])[0].tokens) == 2

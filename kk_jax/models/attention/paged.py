@@ -43,6 +43,12 @@ class AttentionBatch:
     kv_lens: jax.Array
     slots: jax.Array
 
+    def in_stack(self, layer, num_pages: int, num_slots: int) -> "AttentionBatch":
+        """The batch as layer ``layer`` (traced) of a stacked pool addresses it: pages and slots
+        shifted into that layer's block (cache.pools, ``stack``)."""
+        return dataclasses.replace(self, page_table=self.page_table + layer * num_pages,
+                                   slots=self.slots + layer * num_slots)
+
 
 def write_pages(pages, x, positions, valid, page_table):
     """Scatters per-token x [B, T, ...] into pages [P, page_size, ...] at their positions;
