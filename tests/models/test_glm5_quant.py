@@ -131,7 +131,7 @@ def test_release_fp8_runs_close_to_its_dequantized_copy(quantized, tmp_path):
     tokens, logits, w = run(quantized["release"])
     idx = index_checkpoint(quantized["release"])
     assert "model.language_model.layers.3.self_attn.kv_b_proj.weight_scale_inv" not in idx   # kept as released
-    experts = "model.language_model.layers.1.mlp.experts"
+    experts = "model.language_model.layers.3.mlp.experts"      # layers 1-2 run stacked (scanned)
     assert (w[f"{experts}.gate_proj"].dtype, w[f"{experts}.gate_proj"].shape) == (jnp.float8_e4m3fn, (8, 64, 32))
     assert (w[f"{experts}.down_proj"].dtype, w[f"{experts}.down_proj"].shape) == (jnp.float8_e4m3fn, (8, 32, 64))
     assert w[f"{experts}.gate_proj_weight_scale_inv"].shape == (8, 1, 1)
@@ -155,7 +155,7 @@ def test_release_fp8_runs_close_to_its_dequantized_copy(quantized, tmp_path):
 ])
 def test_quantized_experts_equal_their_dequantized_copy(quantized, tmp_path, algo, codes, scale):
     tokens, logits, w = run(quantized[algo])
-    experts = "model.language_model.layers.1.mlp.experts"
+    experts = "model.language_model.layers.3.mlp.experts"      # layers 1-2 run stacked (scanned)
     assert (w[f"{experts}.gate_proj"].dtype, w[f"{experts}.gate_proj"].shape) == codes       # kept quantized
     assert (w[f"{experts}.{scale[0]}"].dtype, w[f"{experts}.{scale[0]}"].shape) == scale[1:]
     ref_tokens, ref_logits, ref_w = run(dequantized_copy(quantized[algo], tmp_path / "deq"))
@@ -205,7 +205,7 @@ def test_nvfp4_experts_tensor_parallel_match_tp1(quantized):
     """tp=2 splits every expert's intermediate width (gate/up codes and scales along N, down's along
     K in whole 16-blocks); the per-expert global scales are replicated."""
     tokens, logits, w = run(quantized["nvfp4"], tp=2)
-    experts = "model.language_model.layers.1.mlp.experts"
+    experts = "model.language_model.layers.3.mlp.experts"      # layers 1-2 run stacked (scanned)
     assert w[f"{experts}.down_proj"].sharding.shard_shape(w[f"{experts}.down_proj"].shape) == (8, 8, 64)
     assert w[f"{experts}.gate_proj_weight_scale"].sharding.shard_shape((8, 4, 32)) == (8, 4, 16)
     want_tokens, want_logits, _ = run(quantized["nvfp4"])
