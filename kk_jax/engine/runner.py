@@ -217,6 +217,9 @@ class ModelRunner:
         abstract = nnx.eval_shape(lambda: prepare_experts(prepare_linears(
             model_cls(model_cfg, dtype, **extra), model_dir, backend=self.backend, mesh=mesh,
             act_quant=cfg.fp8_activations), model_dir, mesh=mesh))
+        scan_plan = getattr(model_cls, "layer_scan", lambda _: None)(model_cfg) if cfg.scan_layers else None
+        if scan_plan and random_weights_seed is not None:
+            abstract.stack_layers(scan_plan)        # random weights are drawn stacked
         self.graphdef, state = nnx.split(abstract)
         flat = nnx.to_flat_state(state)
         t0 = time.perf_counter()
@@ -237,16 +240,13 @@ class ModelRunner:
                               if name in stacks else params.pop(name))
         nnx.replace_by_pure_dict(state, pure)
         del pure
-        scan_plan = getattr(model_cls, "layer_scan", lambda _: None)(model_cfg) if cfg.scan_layers else None
-        self.compiler_options: dict = {}
-        if scan_plan:                       # repeating layer groups: weights stacked, compiled once
+        if scan_plan and random_weights_seed is None:   # repeating layer groups: loaded per layer, then stacked
             model = nnx.merge(self.graphdef, state)
             del state
             model.stack_layers(scan_plan)
             self.graphdef, state = nnx.split(model)
             del model
-            if jax.default_backend() == "gpu":
-                self.compiler_options = SCANNED_GPU_OPTIONS
+        self.compiler_options = SCANNED_GPU_OPTIONS if scan_plan and jax.default_backend() == "gpu" else {}
         self.weights, self.treedef = jax.tree.flatten(state)
         self.weights = tuple(self.weights)
         self.weight_bytes = sum(w.nbytes for w in self.weights)

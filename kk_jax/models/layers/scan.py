@@ -40,17 +40,25 @@ def repeating_groups(signatures: Sequence) -> Plan | None:
     return best
 
 
-def _stack(arrays: list[jax.Array]) -> jax.Array:
-    sh = arrays[0].sharding
+def _stack(values: list):
+    """[count, ...] of the per-layer values: a placed array sharded as they are along the other
+    axes, or (abstract model) a ShapeDtypeStruct."""
+    v0 = values[0]
+    if isinstance(v0, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((len(values), *v0.shape), v0.dtype)
+    sh = v0.sharding
     out = NamedSharding(sh.mesh, P(None, *sh.spec)) if isinstance(sh, NamedSharding) else None
-    return jax.jit(lambda xs: jnp.stack(xs), out_shardings=out)(arrays)
+    return jax.jit(lambda xs: jnp.stack(xs), out_shardings=out)(values)
 
 
 def stack_layers(layers: nnx.List, plan: Plan) -> None:
     """In place: template layer ``first + k`` gets every weight stacked over the ``count``
-    groups (``[count, ...]``, sharded as before along the other axes); the other layers of the
-    run become None. Weights are stacked one tensor at a time and each source is released
-    right after, so the extra memory is one stacked tensor."""
+    groups (``[count, ...]``, sharded as before along the other axes, ``axes`` metadata
+    ``(None, *axes)``); the other layers of the run become None. On an abstract model
+    (``nnx.eval_shape``) this declares the stacked parameters, which random weights are then
+    drawn into directly. On loaded weights, tensors are stacked one at a time and each source is
+    released right after, so the extra memory is one stacked tensor (but the freed per-layer
+    buffers leave the allocator fragmented)."""
     first, period, count = plan
     for k in range(period):
         members = [layers[first + j * period + k] for j in range(count)]
@@ -59,10 +67,12 @@ def stack_layers(layers: nnx.List, plan: Plan) -> None:
             paths = {path for path, _ in column}
             assert len(paths) == 1, f"layers of one group position differ: {paths}"
             variables = [var for _, var in column]
-            stacked = _stack([v[...] for v in variables])
+            stacked = _stack([v.get_value() for v in variables])
             for v in variables[1:]:
-                v.value = None
-            variables[0].value = stacked
+                v.set_value(None)
+            variables[0].set_value(stacked)
+            if "axes" in variables[0].get_metadata():
+                variables[0].set_metadata(axes=(None, *variables[0].get_metadata()["axes"]))
         for j in range(1, count):
             layers[first + j * period + k] = None
 
