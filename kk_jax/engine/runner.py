@@ -46,11 +46,6 @@ log = logging.getLogger(__name__)
 MAX_STOP_IDS = 16
 WARMUP_THREADS = 8           # concurrent start-up compiles (each holds a program's compiler state)
 JAX_DEFAULT_MEM_FRACTION = 0.75     # share of a GPU JAX's allocator may use unless told otherwise
-# Programs that scan stacked layer weights multiply them with cuBLAS, whose calls read one
-# layer's slice of the stack in place; XLA's Triton GEMM fusions copy the slice first (on the
-# H200, 10 bf16 4096x12288 GEMVs in a scan: 0.33 ms with cuBLAS, 0.85 ms with Triton fusions;
-# unrolled with Triton 0.29 ms; benchmarks/RESULTS.md).
-SCANNED_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
 def claim_device_memory(utilization: float) -> None:
@@ -246,7 +241,6 @@ class ModelRunner:
             model.stack_layers(scan_plan)
             self.graphdef, state = nnx.split(model)
             del model
-        self.compiler_options = SCANNED_GPU_OPTIONS if scan_plan and jax.default_backend() == "gpu" else {}
         self.weights, self.treedef = jax.tree.flatten(state)
         self.weights = tuple(self.weights)
         self.weight_bytes = sum(w.nbytes for w in self.weights)
@@ -352,7 +346,7 @@ class ModelRunner:
         key = (kind, b, t)
         if key not in self._compiled:
             t0 = time.perf_counter()
-            exe = (lowered or self._lower(kind, b, t)).compile(compiler_options=self.compiler_options or None)
+            exe = (lowered or self._lower(kind, b, t)).compile()
             dt = time.perf_counter() - t0
             with self._compile_lock:
                 self._compiled[key] = exe
