@@ -11,6 +11,11 @@ the load dtype) or to a :class:`TensorSpec`, which can also require an exact dty
 weights and their scales are placed on the device as they are, never converted) and can
 assemble one parameter from several checkpoint tensors concatenated along axis 0
 (``sources``; fused projections, concatenated per tensor-parallel shard).
+
+A parameter can also be a :class:`Stack` of checkpoint tensors along a new leading axis
+(routed experts stored per expert, layers of a scanned group), nested as deep as needed; each
+device's slice is then read part by part on the host, so stacked parameters are never
+assembled on a device from per-part copies.
 """
 
 from __future__ import annotations
@@ -162,30 +167,63 @@ def _fused_reader(name: str, spec: TensorSpec, found: dict, cast):
     return read
 
 
+class Stack(NamedTuple):
+    """A parameter stacked along a new axis 0 from ``parts`` (checkpoint tensor names, or Stacks
+    for deeper stacking); ``transpose``: each part is stored transposed (HF ``[out, in]``
+    expert weights and their scales, stacked as ``[in, out]``)."""
+
+    parts: tuple
+    transpose: bool = False
+
+
+def _reader(name: str, spec: TensorSpec, found: dict, dtype):
+    """Callback reading any device slice of expected tensor ``name`` (cast to ``dtype`` unless
+    the spec requires an exact dtype)."""
+    np_dtype = np.dtype(dtype) if spec.dtype is None else None
+    cast = (lambda a: a.astype(np_dtype)) if np_dtype is not None else (lambda a: a)
+    if spec.sources:
+        return _fused_reader(name, spec, found, cast)
+    lazy = LazyTensor(found[name])
+    if tuple(spec.shape) == () and tuple(found[name].shape) == (1,):          # a scalar stored as [1]
+        return lambda idx: cast(lazy[...].reshape(()))[idx]
+    return lambda idx: cast(lazy[idx])
+
+
+def _stack_reader(stack: Stack, part_reader):
+    parts = [_stack_reader(p, part_reader) if isinstance(p, Stack) else part_reader(p) for p in stack.parts]
+
+    def read(idx):
+        first, rest = (idx[0], tuple(idx[1:])) if idx else (slice(None), ())
+        if stack.transpose:
+            return np.stack([parts[i](rest[::-1]).T for i in range(len(parts))[first]])
+        return np.stack([parts[i](rest) for i in range(len(parts))[first]])
+    return read
+
+
 def load_params(model_dir: str | Path, expected: dict, dtype, mesh: Mesh, progress: bool = True,
-                ignore: Sequence[str] = ()) -> dict[str, jax.Array]:
+                ignore: Sequence[str] = (), stacks: dict[str, tuple[TensorSpec, Stack]] | None = None
+                ) -> dict[str, jax.Array]:
     """Loads {name: (shape, logical axes) | TensorSpec} from ``model_dir`` as sharded arrays:
     floating tensors as ``dtype``, exact-dtype (quantized) tensors as they are (tensors under
-    the ``ignore`` prefixes are allowed and not loaded)."""
+    the ``ignore`` prefixes are allowed and not loaded). ``stacks`` {param name: (spec of the
+    stacked param, Stack of expected names)} places those params instead of their parts."""
     model_dir = Path(model_dir)
     found = validate(model_dir, expected, ignore)
+    stacks = stacks or {}
+    stacked = {n for _, st in stacks.values() for n in _names(st)}
+    part_reader = lambda n: _reader(n, as_spec(expected[n]), found, dtype)
+    todo = [(name, as_spec(value), None) for name, value in expected.items() if name not in stacked]
+    todo += [(name, spec, st) for name, (spec, st) in stacks.items()]
     out = {}
-    for name, value in tqdm(expected.items(), desc="loading weights", unit="tensor",
-                            disable=not progress, leave=False):
-        spec = as_spec(value)
-        np_dtype = np.dtype(dtype) if spec.dtype is None else None
-        shape = tuple(spec.shape)
-        cast = (lambda a, t=np_dtype: a.astype(t)) if np_dtype is not None else (lambda a: a)
-        if spec.sources:
-            read = _fused_reader(name, spec, found, cast)
-        else:
-            lazy = LazyTensor(found[name])
-            if shape == () and tuple(found[name].shape) == (1,):          # a scalar stored as [1]
-                read = lambda idx, lazy=lazy, cast=cast: cast(lazy[...].reshape(()))[idx]
-            else:
-                read = lambda idx, lazy=lazy, cast=cast: cast(lazy[idx])
-        out[name] = jax.make_array_from_callback(shape, sharding(mesh, spec.axes or ()), read)
+    for name, spec, st in tqdm(todo, desc="loading weights", unit="tensor", disable=not progress, leave=False):
+        read = part_reader(name) if st is None else _stack_reader(st, part_reader)
+        out[name] = jax.make_array_from_callback(tuple(spec.shape), sharding(mesh, spec.axes or ()), read)
     return out
+
+
+def _names(stack: Stack):
+    for p in stack.parts:
+        yield from _names(p) if isinstance(p, Stack) else (p,)
 
 
 def random_params(expected: dict, dtype, mesh: Mesh, seed: int = 0, std: float = 0.02) -> dict[str, jax.Array]:

@@ -31,14 +31,15 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kk_jax.cache.pools import CacheLayout, SlotSpec, allocate_pools, bytes_per_page, pool_sharding, zero_slots
-from kk_jax.checkpoint.loader import TensorSpec, expected_tensors, load_params, random_params, tensor_spec
+from kk_jax.checkpoint.loader import Stack, TensorSpec, expected_tensors, load_params, random_params, tensor_spec
 from kk_jax.config import ConfigError, EngineConfig
 from kk_jax.engine.request import MAX_LOGPROBS
 from kk_jax.engine.sampler import SamplingArrays, sample
 from kk_jax.models.attention.paged import AttentionBatch
 from kk_jax.models.layers.linear import prepare_linears
 from kk_jax.models.layers.moe import prepare_experts
-from kk_jax.parallel.mesh import check_divisible, sharding
+from kk_jax.models.layers.scan import member_paths
+from kk_jax.parallel.mesh import check_divisible
 from kk_jax.quant.config import detect
 
 log = logging.getLogger(__name__)
@@ -109,10 +110,21 @@ def checkpoint_tensors(flat) -> tuple[dict, dict[str, list[str]]]:
     return expected, stacks
 
 
-def stack_experts(per_expert: list[jax.Array], out_sharding) -> jax.Array:
-    """[a, b] per expert -> [E, b, a] (HF [out, in] weights -> [E, in, out]; quantized codes and
-    scales the same way, per-expert scalars -> [E]), placed with the stacked param's sharding."""
-    return jax.jit(lambda ws: jnp.stack([w.T for w in ws]), out_shardings=out_sharding)(per_expert)
+def param_stacks(flat, expert_stacks: dict[str, list[str]]) -> dict[str, tuple[TensorSpec, Stack]]:
+    """The model's parameters that the loader assembles from several checkpoint tensors: stacked
+    routed experts (per-expert HF tensors, transposed) and the layers of a scanned group
+    (``stacked_layers`` metadata), each {param name: (its spec, Stack of checkpoint names)}."""
+    def recipe(name):
+        return Stack(tuple(expert_stacks[name]), transpose=True) if name in expert_stacks else name
+
+    out = {}
+    for path, var in flat:
+        name, layers = ".".join(map(str, path)), var.get_metadata().get("stacked_layers")
+        part = (Stack(tuple(recipe(".".join(map(str, p))) for p in member_paths(path, layers))) if layers
+                else recipe(name))
+        if isinstance(part, Stack):
+            out[name] = (TensorSpec(tuple(var.shape), tuple(var.get_metadata()["axes"])), part)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,34 +225,28 @@ class ModelRunner:
             model_cls(model_cfg, dtype, **extra), model_dir, backend=self.backend, mesh=mesh,
             act_quant=cfg.fp8_activations), model_dir, mesh=mesh))
         scan_plan = getattr(model_cls, "layer_scan", lambda _: None)(model_cfg) if cfg.scan_layers else None
-        if scan_plan and random_weights_seed is not None:
-            abstract.stack_layers(scan_plan)        # random weights are drawn stacked
+        t0 = time.perf_counter()
+        if random_weights_seed is None:     # checkpoint names of the per-layer, per-expert model
+            expected, expert_stacks = checkpoint_tensors(nnx.to_flat_state(nnx.state(abstract)))
+        if scan_plan:
+            abstract.stack_layers(scan_plan)
         self.graphdef, state = nnx.split(abstract)
         flat = nnx.to_flat_state(state)
-        t0 = time.perf_counter()
         if random_weights_seed is None:
-            expected, stacks = checkpoint_tensors(flat)
             params = load_params(model_dir, expected, dtype, mesh, progress=progress,
-                                 ignore=model_cls.ignored_tensors(model_cfg, **extra))
+                                 ignore=model_cls.ignored_tensors(model_cfg, **extra),
+                                 stacks=param_stacks(flat, expert_stacks))
         else:                               # drawn in the model's own (stacked) shapes
-            expected, stacks = expected_tensors(flat), {}
+            expected = expected_tensors(flat)
             params = random_params(expected, dtype, mesh, random_weights_seed)
         pure = {}
         for path, var in flat:
-            name = ".".join(map(str, path))
             node = pure
             for part in path[:-1]:
                 node = node.setdefault(part, {})
-            node[path[-1]] = (stack_experts([params.pop(n) for n in stacks[name]], sharding(mesh, var.axes))
-                              if name in stacks else params.pop(name))
+            node[path[-1]] = params.pop(".".join(map(str, path)))
         nnx.replace_by_pure_dict(state, pure)
         del pure
-        if scan_plan and random_weights_seed is None:   # repeating layer groups: loaded per layer, then stacked
-            model = nnx.merge(self.graphdef, state)
-            del state
-            model.stack_layers(scan_plan)
-            self.graphdef, state = nnx.split(model)
-            del model
         self.weights, self.treedef = jax.tree.flatten(state)
         self.weights = tuple(self.weights)
         self.weight_bytes = sum(w.nbytes for w in self.weights)

@@ -8,7 +8,7 @@ checkpoint names (``model.language_model.layers.{i}...``); routed experts are st
 
 Cache pools per layer: KDA — ``state [H, K, V]`` fp32 and ``conv`` slots; DSA — latent pages,
 pooled index-key pages and the indexer's open-group ``tail`` slot. The repeating run of layer
-groups (``layer_scan``) can be stacked after loading and scanned, so that a 45-layer trunk
+groups (``layer_scan``) is declared stacked before loading and scanned, so that a 45-layer trunk
 compiles 9 layer bodies (``layers.scan``). The vision tower
 (``model.visual.*``) and the MTP block (layer ``num_hidden_layers``) are not served yet; their
 tensors are accepted and skipped.
@@ -202,8 +202,9 @@ class Glm5NextForConditionalGeneration(nnx.Module):
         return layout
 
     def stack_layers(self, plan: Plan) -> None:
-        """After loading: stack the weights of ``plan``'s run (``layers.scan``); the forward then
-        scans it over pools laid out by ``cache_layout(..., scan=plan)``."""
+        """Before loading (on the abstract model): declares the weights of ``plan``'s run stacked
+        (``layers.scan``); the forward then scans it over pools laid out by
+        ``cache_layout(..., scan=plan)``."""
         stack_layers(self.model.language_model.layers, plan)
         self.scan = plan
 

@@ -90,3 +90,26 @@ def test_sharded_checkpoint_places_each_weight_with_its_tp_sharding(tiny_ckpt_un
     assert lm.addressable_shards[0].data.shape == (lm.shape[0] // 2, lm.shape[1])
     kv = runner.pools["layers.0.k"]
     assert kv.addressable_shards[0].data.shape[2] == kv.shape[2] // 2
+
+
+def test_stacked_params_are_read_part_by_part_into_each_device_slice(tmp_path):
+    """A Stack of Stacks of transposed per-expert tensors (layers x experts, HF [out, in]) is
+    placed as [layers, experts, in, out], split over tp along ``out``: each device's slice
+    equals NumPy stacking of the same tensors."""
+    import jax.numpy as jnp
+
+    from kk_jax.checkpoint.loader import Stack, TensorSpec, load_params
+    from kk_jax.parallel.mesh import make_mesh
+
+    rng = np.random.default_rng(0)
+    w = {f"l{j}.e{e}": rng.standard_normal((8, 6)).astype(np.float32) for j in range(3) for e in range(2)}
+    save_file({**w, "other": np.ones((4,), np.float32)}, tmp_path / "model.safetensors")
+    expected = {n: ((8, 6), (None, None)) for n in w} | {"other": ((4,), (None,))}
+    stack = Stack(tuple(Stack(tuple(f"l{j}.e{e}" for e in range(2)), transpose=True) for j in range(3)))
+    mesh = make_mesh(2)
+    out = load_params(tmp_path, expected, jnp.float32, mesh, progress=False,
+                      stacks={"stacked": (TensorSpec((3, 2, 6, 8), (None, None, None, "mlp")), stack)})
+    assert set(out) == {"stacked", "other"}
+    want = np.stack([np.stack([w[f"l{j}.e{e}"].T for e in range(2)]) for j in range(3)])
+    np.testing.assert_array_equal(np.asarray(out["stacked"]), want)
+    assert out["stacked"].sharding.shard_shape(want.shape) == (3, 2, 6, 4)

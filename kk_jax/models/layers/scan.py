@@ -4,8 +4,8 @@ A deep hybrid trunk repeats a short group of layers (GLM-5.3: 3 KDA + 1 DSA, ten
 Unrolled, every layer is traced and compiled on its own and start-up grows linearly with depth;
 scanned, the group's body is compiled once. The plan ``(first, period, count)`` says that
 layers ``first + j·period + k`` (``j < count``, ``k < period``) are layer ``k`` of group ``j``.
-After loading, :func:`stack_layers` gives the template layers ``first + k`` each weight stacked
-over the groups (``[count, ...]``) and drops the other copies; :func:`scan_groups` runs the
+Before loading, :func:`stack_layers` declares on the template layers ``first + k`` each weight
+stacked over the groups (``[count, ...]``) and drops the other layers; :func:`scan_groups` runs the
 groups with the layers' own ``__call__``. Their cache entries are stacked the same way
 (``cache.pools``, ``stack``): group ``j`` sees the pools through
 :meth:`AttentionBatch.in_stack`, so the layer code is the same scanned or not.
@@ -18,7 +18,6 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 Plan = tuple[int, int, int]          # (first, period, count)
 
@@ -40,25 +39,12 @@ def repeating_groups(signatures: Sequence) -> Plan | None:
     return best
 
 
-def _stack(values: list):
-    """[count, ...] of the per-layer values: a placed array sharded as they are along the other
-    axes, or (abstract model) a ShapeDtypeStruct."""
-    v0 = values[0]
-    if isinstance(v0, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct((len(values), *v0.shape), v0.dtype)
-    sh = v0.sharding
-    out = NamedSharding(sh.mesh, P(None, *sh.spec)) if isinstance(sh, NamedSharding) else None
-    return jax.jit(lambda xs: jnp.stack(xs), out_shardings=out)(values)
-
-
 def stack_layers(layers: nnx.List, plan: Plan) -> None:
-    """In place: template layer ``first + k`` gets every weight stacked over the ``count``
-    groups (``[count, ...]``, sharded as before along the other axes, ``axes`` metadata
-    ``(None, *axes)``); the other layers of the run become None. On an abstract model
-    (``nnx.eval_shape``) this declares the stacked parameters, which random weights are then
-    drawn into directly. On loaded weights, tensors are stacked one at a time and each source is
-    released right after, so the extra memory is one stacked tensor (but the freed per-layer
-    buffers leave the allocator fragmented)."""
+    """In place, on an abstract model (``nnx.eval_shape``): template layer ``first + k``
+    declares every weight stacked over the ``count`` groups (``[count, ...]``, ``axes``
+    metadata ``(None, *axes)``, ``stacked_layers`` metadata: the layer indices it holds, in
+    order); the other layers of the run become None. The loader fills each stacked weight from
+    its layers' checkpoint tensors (:func:`member_paths`), one device slice at a time."""
     first, period, count = plan
     for k in range(period):
         members = [layers[first + j * period + k] for j in range(count)]
@@ -67,14 +53,21 @@ def stack_layers(layers: nnx.List, plan: Plan) -> None:
             paths = {path for path, _ in column}
             assert len(paths) == 1, f"layers of one group position differ: {paths}"
             variables = [var for _, var in column]
-            stacked = _stack([v.get_value() for v in variables])
+            v0 = variables[0].get_value()
             for v in variables[1:]:
                 v.set_value(None)
-            variables[0].set_value(stacked)
+            variables[0].set_value(jax.ShapeDtypeStruct((count, *v0.shape), v0.dtype))
             if "axes" in variables[0].get_metadata():
                 variables[0].set_metadata(axes=(None, *variables[0].get_metadata()["axes"]))
+            variables[0].set_metadata(stacked_layers=tuple(first + j * period + k for j in range(count)))
         for j in range(1, count):
             layers[first + j * period + k] = None
+
+
+def member_paths(path: tuple, layers: Sequence[int]) -> list[tuple]:
+    """The per-layer paths of a stacked parameter at ``path`` (under ``layers.{layers[0]}``)."""
+    at = next(i for i in range(1, len(path)) if path[i - 1] == "layers" and path[i] == layers[0])
+    return [path[:at] + (layer,) + path[at + 1:] for layer in layers]
 
 
 def scan_groups(templates: list, plan: Plan, carry, batch, num_pages: int, num_slots: int,
