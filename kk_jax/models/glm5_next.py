@@ -92,7 +92,7 @@ class Glm5DecoderLayer(nnx.Module):
         x = mhc_post(x, y, post, comb)
         post, comb, u = self._site("ffn", x)
         h = self.post_attention_layernorm(u)
-        y = self.mlp(h, ops.mesh, ops.backend) if self.moe else self.mlp(h)
+        y = self.mlp(h, ops.mesh, ops.backend, batch.stack_index) if self.moe else self.mlp(h)
         return mhc_post(x, y, post, comb), pools
 
 

@@ -35,6 +35,8 @@ class AttentionBatch:
     kv_lens    [B] int32     tokens in the cache after this step (0 for padded rows)
     slots      [B] int32     per-sequence state slot (0, the dummy, for padded rows and for
                              models without slot state)
+    stack_index [] int32 | None  the layer's group in a scanned run (None outside one), for
+                             weights kept stacked inside the scan (routed experts)
     """
 
     positions: jax.Array
@@ -42,12 +44,13 @@ class AttentionBatch:
     page_table: jax.Array
     kv_lens: jax.Array
     slots: jax.Array
+    stack_index: jax.Array | None = None
 
     def in_stack(self, layer, num_pages: int, num_slots: int) -> "AttentionBatch":
         """The batch as layer ``layer`` (traced) of a stacked pool addresses it: pages and slots
         shifted into that layer's block (cache.pools, ``stack``)."""
         return dataclasses.replace(self, page_table=self.page_table + layer * num_pages,
-                                   slots=self.slots + layer * num_slots)
+                                   slots=self.slots + layer * num_slots, stack_index=layer)
 
 
 def write_pages(pages, x, positions, valid, page_table):

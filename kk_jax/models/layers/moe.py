@@ -107,6 +107,11 @@ class Experts(nnx.Module):
                       ``{proj}_input_scale`` f32 [E] when the checkpoint has it (unused: W4A16)
         ============  ==========================================================================
 
+    In a scanned layer group the params stay stacked over the group's layers inside the scan
+    (``indexed_in_scan`` metadata, ``layers.scan``) and the MoE indexes them with the group's
+    layer: decode gathers just the routed experts of that layer from the stack, where slicing
+    the layer out first could copy all E experts.
+
     Each param's ``hf_experts`` metadata ``(proj, E, suffix)`` names the per-expert checkpoint
     tensor ``experts.{e}.{proj}.{suffix}`` and ``quant_dtype`` its exact dtype, so the loader
     checks every per-expert tensor's shape and dtype before any device work. Transposing the
@@ -118,7 +123,8 @@ class Experts(nnx.Module):
 
     def __init__(self, hidden: int, width: int, experts: int, dtype):
         def stacked(name, d_in, d_out, axes):
-            return nnx.Param(jnp.zeros((experts, d_in, d_out), dtype), axes=axes, hf_experts=(name, experts))
+            return nnx.Param(jnp.zeros((experts, d_in, d_out), dtype), axes=axes, hf_experts=(name, experts),
+                             indexed_in_scan=True)
 
         self.num_experts = experts
         self.quant: tuple = (None, None, None)      # static: per projection None | fp8_block | mxfp8 | nvfp4
@@ -143,7 +149,7 @@ class Experts(nnx.Module):
         for suffix, (shape, dtype, sharded) in specs.items():
             stacked = (e, *reversed(shape))                               # [N, k'] -> [E, k', N]; [] -> [E]
             param = nnx.Param(jnp.zeros(stacked, dtype), axes=axes if sharded else (None,),
-                              quant_dtype=jnp.dtype(dtype).name, hf_experts=(proj, e, suffix))
+                              quant_dtype=jnp.dtype(dtype).name, hf_experts=(proj, e, suffix), indexed_in_scan=True)
             setattr(self, proj if suffix == "weight" else f"{proj}_{suffix}", param)
         quant = list(self.quant)
         quant[self.PROJS.index(proj)] = method
@@ -248,8 +254,9 @@ class MoE(nnx.Module):
         self.shared_experts = SwiGLU(hidden, width * shared, dtype, limit=limit)
         self.top_k, self.scaling, self.renorm, self.limit = top_k, scaling, renorm, limit
 
-    def __call__(self, x: jax.Array, mesh, backend: str) -> jax.Array:
-        """x [B, T, D] -> [B, T, D]."""
+    def __call__(self, x: jax.Array, mesh, backend: str, stack_index: jax.Array | None = None) -> jax.Array:
+        """x [B, T, D] -> [B, T, D]. ``stack_index``: this layer's position in a scanned group,
+        whose expert params are then stacked ``[layers, E, ...]`` (see :class:`Experts`)."""
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
         idx, w = route(flat, self.gate.weight[...], self.gate.e_score_correction_bias[...], self.top_k,
@@ -260,17 +267,24 @@ class MoE(nnx.Module):
 
         compact = any(methods) and idx.size < ex.num_experts       # decode: dequantize routed experts only
 
-        def shard(flat, idx, w, gate, up, down):
+        stacked = stack_index is not None
+        layer = jnp.asarray(stack_index if stacked else 0, jnp.int32)
+
+        def shard(flat, idx, w, layer, gate, up, down):
             projs = (gate, up, down)
             if compact:
                 idx, ids = routed_subset(idx, ex.num_experts)
-                projs = tuple(tuple(o[ids] for o in ops) for ops in projs)
+                projs = tuple(tuple((o[layer, ids] if stacked else o[ids]) for o in ops) for ops in projs)
+            elif stacked:
+                projs = tuple(tuple(o[layer] for o in ops) for ops in projs)
             gate, up, down = (dequantize_stacked(m, ops, block, flat.dtype) for m, ops in zip(methods, projs))
             return jax.lax.psum(grouped_experts(flat, idx, w, gate, up, down, self.limit, backend), TP)
 
-        col, row = P(None, None, TP), P(None, TP, None)
+        lead = (None,) * (1 + stacked)                      # the expert axis, and the layer axis when stacked
+        col, row = P(*lead, None, TP), P(*lead, TP, None)
         ops = tuple(ex.operands(p) for p in Experts.PROJS)
-        specs = tuple(tuple(sp if o.ndim == 3 else P() for o in proj_ops) for sp, proj_ops in zip((col, col, row), ops))
-        routed = jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P()) + specs, out_specs=P(),
-                               check_vma=False)(flat, idx, w, *ops)
+        specs = tuple(tuple(sp if o.ndim == len(lead) + 2 else P() for o in proj_ops)
+                      for sp, proj_ops in zip((col, col, row), ops))
+        routed = jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(), P()) + specs, out_specs=P(),
+                               check_vma=False)(flat, idx, w, layer, *ops)
         return (routed.reshape(b, t, d) + self.shared_experts(x).astype(jnp.float32)).astype(x.dtype)

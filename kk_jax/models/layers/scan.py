@@ -70,17 +70,24 @@ def member_paths(path: tuple, layers: Sequence[int]) -> list[tuple]:
     return [path[:at] + (layer,) + path[at + 1:] for layer in layers]
 
 
+def _indexed_in_scan(path, var) -> bool:
+    """Params the layer indexes itself (``indexed_in_scan`` metadata): passed whole, not sliced."""
+    return bool(var.get_metadata().get("indexed_in_scan"))
+
+
 def scan_groups(templates: list, plan: Plan, carry, batch, num_pages: int, num_slots: int,
                 call: Callable):
     """Runs the ``count`` groups: ``carry = call(layer, carry, batch_j)`` for the ``period``
     template layers of each group, ``batch_j`` addressing group ``j``'s block of the stacked
-    pools. ``carry`` holds everything the layers update (residual streams and pools)."""
+    pools (and carrying ``j`` as ``stack_index``). ``carry`` holds everything the layers update
+    (residual streams and pools). Weights are sliced to group ``j``, except those marked
+    ``indexed_in_scan``, which stay stacked for the layer to index."""
     _, _, count = plan
-    graphdef, params = nnx.split(nnx.List(templates))
+    graphdef, whole, params = nnx.split(nnx.List(templates), _indexed_in_scan, ...)
 
     def body(carry, xs):
         j, p = xs
-        layers = nnx.merge(graphdef, p)
+        layers = nnx.merge(graphdef, whole, p)
         batch_j = batch.in_stack(j, num_pages, num_slots)
         for layer in layers:
             carry = call(layer, carry, batch_j)
