@@ -32,3 +32,10 @@ def test_glm_chat_streaming_and_not(glm_server):
                                                  stream=True, extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
     assert wait_pages_free(glm_server.engine)
+
+
+def test_served_glm_scans_its_repeating_layers_unless_told_not_to(glm_server):
+    from kk_jax.server.cli import parser
+
+    assert glm_server.engine.engine.runner.layout["layers.1.state"].stack == 2     # layers 1-2: one scanned body
+    assert parser().parse_args([]).scan_layers and not parser().parse_args(["--no-scan-layers"]).scan_layers
