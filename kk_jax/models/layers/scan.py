@@ -82,15 +82,16 @@ def scan_groups(templates: list, plan: Plan, carry, batch, num_pages: int, num_s
     pools (and carrying ``j`` as ``stack_index``). ``carry`` holds everything the layers update
     (residual streams and pools). Weights are sliced to group ``j``, except those marked
     ``indexed_in_scan``, which stay stacked for the layer to index."""
-    _, _, count = plan
+    first, period, count = plan
     graphdef, whole, params = nnx.split(nnx.List(templates), _indexed_in_scan, ...)
 
     def body(carry, xs):
         j, p = xs
         layers = nnx.merge(graphdef, whole, p)
         batch_j = batch.in_stack(j, num_pages, num_slots)
-        for layer in layers:
-            carry = call(layer, carry, batch_j)
+        for k, layer in enumerate(layers):
+            with jax.named_scope(f"layer_{first + k}+{period}j"):          # trace name: layer first+k+period·j
+                carry = call(layer, carry, batch_j)
         return carry, None
 
     carry, _ = jax.lax.scan(body, carry, (jnp.arange(count, dtype=jnp.int32), params))
