@@ -246,7 +246,6 @@ class ModelRunner:
                 node = node.setdefault(part, {})
             node[path[-1]] = params.pop(".".join(map(str, path)))
         nnx.replace_by_pure_dict(state, pure)
-        del pure
         self.weights, self.treedef = jax.tree.flatten(state)
         self.weights = tuple(self.weights)
         self.weight_bytes = sum(w.nbytes for w in self.weights)
