@@ -228,8 +228,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         if random_weights_seed is None:     # checkpoint names of the per-layer, per-expert model
             expected, expert_stacks = checkpoint_tensors(nnx.to_flat_state(nnx.state(abstract)))
-        if scan_plan:
-            abstract.stack_layers(scan_plan)
+        if scan_plan and not abstract.stack_layers(scan_plan):
+            log.warning("layers %s differ in their parameters (e.g. quantized in some, not others): "
+                        "every layer is compiled on its own", scan_plan)
+            scan_plan = None
         self.graphdef, state = nnx.split(abstract)
         flat = nnx.to_flat_state(state)
         if random_weights_seed is None:

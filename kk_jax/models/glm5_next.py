@@ -201,12 +201,15 @@ class Glm5NextForConditionalGeneration(nnx.Module):
                                                     (None, None, None), stack)
         return layout
 
-    def stack_layers(self, plan: Plan) -> None:
+    def stack_layers(self, plan: Plan) -> bool:
         """Before loading (on the abstract model): declares the weights of ``plan``'s run stacked
         (``layers.scan``); the forward then scans it over pools laid out by
-        ``cache_layout(..., scan=plan)``."""
-        stack_layers(self.model.language_model.layers, plan)
+        ``cache_layout(..., scan=plan)``. False (nothing changed) when the run's layers differ in
+        their parameters."""
+        if not stack_layers(self.model.language_model.layers, plan):
+            return False
         self.scan = plan
+        return True
 
     @staticmethod
     def divisible_sizes(cfg: Glm5NextConfig) -> dict[str, int]:

@@ -211,3 +211,20 @@ def test_nvfp4_experts_tensor_parallel_match_tp1(quantized):
     want_tokens, want_logits, _ = run(quantized["nvfp4"])
     assert tokens == want_tokens
     np.testing.assert_allclose(logits, want_logits, rtol=0, atol=1e-4 * np.abs(want_logits).max())
+
+
+def test_layers_quantized_differently_are_not_scanned(base, tmp_path, caplog):
+    """Layers 1 and 2 would run as one scanned body; with only layer 1's experts quantized they
+    differ in their parameters, so both are compiled on their own (and still match the
+    dequantized copy)."""
+    ckpt = quantize_checkpoint(base, tmp_path / "mixed", "nvfp4",
+                               ONLY_ROUTED + ["model.language_model.layers.2.mlp.experts*"])
+    llm = LLM(ckpt, **LIMITS)
+    assert llm.engine.runner.layout["layers.1.state"].stack == 1 and "layers.2.state" in llm.engine.runner.layout
+    assert "differ in their parameters" in caplog.text
+    w = device_weights(llm)
+    assert w["model.language_model.layers.1.mlp.experts.gate_proj"].dtype == jnp.uint8
+    assert w["model.language_model.layers.2.mlp.experts.gate_proj"].dtype == jnp.float32
+    tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    ref = LLM(dequantized_copy(ckpt, tmp_path / "deq"), **LIMITS)
+    assert tokens == [o.token_ids for o in ref.generate(PROMPTS, GREEDY)]

@@ -39,29 +39,37 @@ def repeating_groups(signatures: Sequence) -> Plan | None:
     return best
 
 
-def stack_layers(layers: nnx.List, plan: Plan) -> None:
+def stack_layers(layers: nnx.List, plan: Plan) -> bool:
     """In place, on an abstract model (``nnx.eval_shape``): template layer ``first + k``
     declares every weight stacked over the ``count`` groups (``[count, ...]``, ``axes``
     metadata ``(None, *axes)``, ``stacked_layers`` metadata: the layer indices it holds, in
     order); the other layers of the run become None. The loader fills each stacked weight from
-    its layers' checkpoint tensors (:func:`member_paths`), one device slice at a time."""
+    its layers' checkpoint tensors (:func:`member_paths`), one device slice at a time.
+
+    Returns False and changes nothing when the layers of one group position differ in their
+    parameters (names, shapes, dtypes: e.g. a checkpoint that quantizes some layers' experts
+    and not others'), since one compiled body cannot serve both."""
     first, period, count = plan
+    signature = lambda flat: [(path, tuple(v.shape), str(v.get_value().dtype)) for path, v in flat]
+    columns = []                                  # (group position k, the variables of one weight)
     for k in range(period):
-        members = [layers[first + j * period + k] for j in range(count)]
-        flats = [nnx.to_flat_state(nnx.state(m)) for m in members]
-        for column in zip(*flats):
-            paths = {path for path, _ in column}
-            assert len(paths) == 1, f"layers of one group position differ: {paths}"
-            variables = [var for _, var in column]
-            v0 = variables[0].get_value()
-            for v in variables[1:]:
-                v.set_value(None)
-            variables[0].set_value(jax.ShapeDtypeStruct((count, *v0.shape), v0.dtype))
-            if "axes" in variables[0].get_metadata():
-                variables[0].set_metadata(axes=(None, *variables[0].get_metadata()["axes"]))
-            variables[0].set_metadata(stacked_layers=tuple(first + j * period + k for j in range(count)))
+        flats = [nnx.to_flat_state(nnx.state(layers[first + j * period + k])) for j in range(count)]
+        if any(signature(f) != signature(flats[0]) for f in flats[1:]):
+            return False
+        columns += [(k, [var for _, var in column]) for column in zip(*flats)]
+    for k, variables in columns:
+        v0 = variables[0].get_value()
+        for v in variables[1:]:
+            v.set_value(None)
+        variables[0].set_value(jax.ShapeDtypeStruct((count, *v0.shape), v0.dtype))
+        meta = variables[0].get_metadata()
+        if "axes" in meta:
+            variables[0].set_metadata(axes=(None, *meta["axes"]))
+        variables[0].set_metadata(stacked_layers=tuple(first + j * period + k for j in range(count)))
+    for k in range(period):
         for j in range(1, count):
             layers[first + j * period + k] = None
+    return True
 
 
 def member_paths(path: tuple, layers: Sequence[int]) -> list[tuple]:
