@@ -242,14 +242,15 @@ class Glm5NextForConditionalGeneration(nnx.Module):
         x = lm.embed_tokens(tokens)                                                          # [B, T, D]
         x = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.cfg.hc_mult, x.shape[-1]))
         pools = dict(pools)
-        first, period, count = self.scan or (self.cfg.num_hidden_layers, 0, 0)
+        first, period, count = self.scan or (0, 0, 0)
+        scanned = range(first, first + period * count)                  # empty without a scan
         for i in range(self.cfg.num_hidden_layers):
-            if i == first:
+            if i in scanned and i == first:               # the whole scanned run, at its first layer
                 with jax.named_scope(f"layers_{first}_to_{first + period * count - 1}"):
                     x, pools = scan_groups([lm.layers[first + k] for k in range(period)], self.scan, (x, pools), batch,
                                            *self._stacked_sizes(pools),
                                            lambda layer, c, b: layer(*c, b, ops))
-            elif not first < i < first + period * count:
+            elif i not in scanned:
                 with jax.named_scope(f"layer_{i}"):
                     x, pools = lm.layers[i](x, pools, batch, ops)
         h = jnp.mean(x.astype(jnp.float32), axis=2).astype(x.dtype)
