@@ -103,11 +103,14 @@ def smem_bytes(fmt: str, bm: int, tk: int, stages: int, out_bytes: int = 4) -> i
 
 
 def plan(m: int, n: int, k: int, fmt: str, *, tk: int | None = None, splits: int | None = None,
-         stages: int | None = None, bm: int | None = None, budget: int | None = None) -> Plan:
+         stages: int | None = None, bm: int | None = None, budget: int | None = None,
+         row_tiles: int | None = None) -> Plan:
     """Tiles for an [m, k] x [n, k]^T product (n a multiple of 64, k of the chosen tk).
 
     ``fmt`` is mxfp8 / fp8_block / nvfp4 (dequantizing engine) or fp8_w8a8 (tk = 128). The
-    largest K step and pipeline depth that fit ``budget`` bytes of shared memory win."""
+    largest K step and pipeline depth that fit ``budget`` bytes of shared memory win.
+    ``row_tiles``: the number of row tiles when it is not ceil(m / bm) (grouped calls: m is
+    one tile's rows), for sizing the K split."""
     decode = m <= 64
     budget = budget or SMEM_BUDGET["decode" if decode else "prefill"]
     if bm is None:
@@ -136,7 +139,7 @@ def plan(m: int, n: int, k: int, fmt: str, *, tk: int | None = None, splits: int
     if splits is None:
         splits = 1
         if decode:
-            ctas = (n // BN) * (-(-m // bm))
+            ctas = (n // BN) * (row_tiles or -(-m // bm))
             for s in range(1, nk + 1):
                 if nk % s == 0 and nk // s >= 2 and ctas * s <= 3 * NUM_SMS:
                     splits = s
@@ -161,7 +164,8 @@ def _e2m1_times_2m14(codes_i16):
     return lax.bitcast_convert_type(lax.bitwise_or(bits, sign), jnp.float16)
 
 
-def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, interpret=False):
+def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=None, expert_n=None,
+                    interpret=False):
     """Runs the kernel on padded operands.
 
     xs      mxfp8/fp8_block: (x [Mp, K] bf16,);  nvfp4: (x_even, x_odd) each [Mp, K/2] bf16
@@ -169,13 +173,20 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, interpret=Fa
     scales  mxfp8: (weight_scale uint8 [N, K/32],); fp8_block: (weight_scale_inv f32 [N/128, K/128],);
             nvfp4: (weight_scale e4m3 [N, K/16], weight_scale_2 f32 [1])
     returns [Mp, N] out_dtype (splits == 1) or [splits, Mp, N] f32 partials
+
+    Grouped form (MoE experts), ``tile_expert`` int32 [Mp / bm]: row tile t of x is multiplied
+    by expert ``tile_expert[t]`` (< 0: the tile is skipped and its output rows are left
+    unwritten). The weight operands then hold E experts of ``expert_n`` rows each stacked
+    along N (``w`` [E·N, ...], the scales likewise, fp8_block's [E·N/128, K/128] with
+    N % 128 == 0, nvfp4's ``weight_scale_2`` [E]) and the result has N = ``expert_n`` columns.
     """
     mp = xs[0].shape[0]
-    n = w.shape[0]
+    grouped = tile_expert is not None
+    n = expert_n if grouped else w.shape[0]
     bm, tk, splits, stages = p.bm, p.tk, p.splits, p.stages
     k = w.shape[1] * (2 if fmt == "nvfp4" else 1)
     nk = k // tk // splits
-    if n % BN or mp % bm or k % (tk * splits):
+    if n % BN or mp % bm or k % (tk * splits) or (grouped and tile_expert.shape != (mp // bm,)):
         raise ValueError(f"operands not padded for the plan: M={mp} N={n} K={k} plan={p}")
     part_dtype = jnp.float32 if splits > 1 else jnp.dtype(out_dtype)
     bf16 = jnp.bfloat16
@@ -206,77 +217,86 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, interpret=Fa
         x_gmem = refs[:nx]
         w_gmem = refs[nx]
         s_gmem = refs[nx + 1:nx + 1 + len(scales)]
-        o_gmem, wdq, o_smem = refs[nx + 1 + len(scales):]
+        te_gmem = refs[nx + 1 + len(scales)] if grouped else None
+        o_gmem, wdq, o_smem = refs[nx + 1 + len(scales) + grouped:]
         nb = lax.axis_index("n")
         mb = lax.axis_index("m")
         ks = lax.axis_index("k")
         k0 = ks * nk                                 # first K step of this split
-        rows = pl.ds(nb * BN, BN)
+        e = te_gmem[mb] if grouped else 0            # expert of this row tile
+        wb = e * (n // BN) + nb                      # weight row block
+        rows = pl.ds(wb * BN, BN)
 
-        def step_scales(kk):
-            """Per-row scale vectors (ROW layout) of K step kk, as the dequant multipliers."""
-            if fmt == "mxfp8":
-                return tuple(_e8m0_to_bf16(plgpu.load(s_gmem[0].at[rows, (k0 + kk) * groups + j],
-                                                      layout=ROW, optimized=False))
-                             for j in range(groups))
-            if fmt == "nvfp4":       # four 16-element blocks per 32-byte group; 2^14 folded in
-                return tuple(
-                    (_e4m3_to_f32(plgpu.load(s_gmem[0].at[rows, (k0 + kk) * 4 * groups + i],
-                                             layout=ROW, optimized=False)) * 16384.0).astype(bf16)
-                    for i in range(4 * groups))
-            return ()
-
-        def dequant(w_smem, buf, sc, kk):
-            if fmt == "fp8_block":
-                s = s_gmem[0][(nb * BN) // 128, ((k0 + kk) * tk) // 128]
-                wt = plgpu.load(w_smem, layout=UPCAST_2X)
-                wt = _e4m3_to_f32(plgpu.layout_cast(wt, WGMMA)) * s
-                buf.at[0][...] = wt.astype(bf16)
-                return
-            for j in range(groups):
-                cols = pl.ds(gw * j, gw)
+        def tile():
+            def step_scales(kk):
+                """Per-row scale vectors (ROW layout) of K step kk, as the dequant multipliers."""
                 if fmt == "mxfp8":
-                    wj = plgpu.load(w_smem.at[:, cols], layout=UPCAST_2X)
-                    wj = plgpu.layout_cast(wj, WGMMA).astype(jnp.float16).astype(bf16)
-                    buf.at[0, :, cols][...] = wj * lax.broadcast_in_dim(sc[j], wj.shape, [0])
-                else:
-                    bj = plgpu.load(w_smem.at[:, cols], layout=UPCAST_2X)
-                    bj = plgpu.layout_cast(bj, WGMMA).astype(jnp.int16)
-                    lo = lax.bitwise_and(bj, jnp.int16(15))
-                    hi = lax.shift_right_logical(bj, jnp.int16(4))
-                    # byte column c holds elements 2c, 2c+1 of block c // 8
-                    col = plgpu.broadcasted_iota(jnp.int32, (BN, gw), 1, layout=WGMMA)
-                    s = lax.broadcast_in_dim(sc[4 * j + 3], (BN, gw), [0])
-                    for i in (2, 1, 0):
-                        s = jnp.where(col < 8 * (i + 1), lax.broadcast_in_dim(sc[4 * j + i], (BN, gw), [0]), s)
-                    buf.at[0, :, cols][...] = _e2m1_times_2m14(lo).astype(bf16) * s
-                    buf.at[1, :, cols][...] = _e2m1_times_2m14(hi).astype(bf16) * s
+                    return tuple(_e8m0_to_bf16(plgpu.load(s_gmem[0].at[rows, (k0 + kk) * groups + j],
+                                                          layout=ROW, optimized=False))
+                                 for j in range(groups))
+                if fmt == "nvfp4":       # four 16-element blocks per 32-byte group; 2^14 folded in
+                    return tuple(
+                        (_e4m3_to_f32(plgpu.load(s_gmem[0].at[rows, (k0 + kk) * 4 * groups + i],
+                                                 layout=ROW, optimized=False)) * 16384.0).astype(bf16)
+                        for i in range(4 * groups))
+                return ()
 
-        def compute(acc):
-            def body(idx, w_smem, *rest):
-                x_smems, carry = rest[:-1], rest[-1]
-                (kk,) = idx
-                nxt = step_scales(jnp.minimum(kk + 1, nk - 1))
-                buf = wdq.at[lax.rem(kk, 2)]
-                dequant(w_smem, buf, carry, kk)
-                plgpu.commit_smem()
-                for part, x_smem in enumerate(x_smems):
-                    plgpu.wgmma(acc, buf.at[part], x_smem.T)
-                plgpu.wgmma_wait(1)
-                return nxt
+            def dequant(w_smem, buf, sc, kk):
+                if fmt == "fp8_block":
+                    s = s_gmem[0][(wb * BN) // 128, ((k0 + kk) * tk) // 128]
+                    wt = plgpu.load(w_smem, layout=UPCAST_2X)
+                    wt = _e4m3_to_f32(plgpu.layout_cast(wt, WGMMA)) * s
+                    buf.at[0][...] = wt.astype(bf16)
+                    return
+                for j in range(groups):
+                    cols = pl.ds(gw * j, gw)
+                    if fmt == "mxfp8":
+                        wj = plgpu.load(w_smem.at[:, cols], layout=UPCAST_2X)
+                        wj = plgpu.layout_cast(wj, WGMMA).astype(jnp.float16).astype(bf16)
+                        buf.at[0, :, cols][...] = wj * lax.broadcast_in_dim(sc[j], wj.shape, [0])
+                    else:
+                        bj = plgpu.load(w_smem.at[:, cols], layout=UPCAST_2X)
+                        bj = plgpu.layout_cast(bj, WGMMA).astype(jnp.int16)
+                        lo = lax.bitwise_and(bj, jnp.int16(15))
+                        hi = lax.shift_right_logical(bj, jnp.int16(4))
+                        # byte column c holds elements 2c, 2c+1 of block c // 8
+                        col = plgpu.broadcasted_iota(jnp.int32, (BN, gw), 1, layout=WGMMA)
+                        s = lax.broadcast_in_dim(sc[4 * j + 3], (BN, gw), [0])
+                        for i in (2, 1, 0):
+                            s = jnp.where(col < 8 * (i + 1), lax.broadcast_in_dim(sc[4 * j + i], (BN, gw), [0]), s)
+                        buf.at[0, :, cols][...] = _e2m1_times_2m14(lo).astype(bf16) * s
+                        buf.at[1, :, cols][...] = _e2m1_times_2m14(hi).astype(bf16) * s
 
-            in_specs = [plgpu.BlockSpec(w_block, lambda kk: (nb, k0 + kk), transforms=w_tr)]
-            in_specs += [plgpu.BlockSpec(blk, lambda kk: (mb, k0 + kk), transforms=op_tr, delay_release=1)
-                         for blk in x_blocks]
-            plgpu.emit_pipeline(body, grid=(nk,), in_specs=in_specs, max_concurrent_steps=stages,
-                                init_carry=step_scales(0))(w_gmem, *x_gmem)
-            plgpu.wgmma_wait(0)
-            return acc[...]
+            def compute(acc):
+                def body(idx, w_smem, *rest):
+                    x_smems, carry = rest[:-1], rest[-1]
+                    (kk,) = idx
+                    nxt = step_scales(jnp.minimum(kk + 1, nk - 1))
+                    buf = wdq.at[lax.rem(kk, 2)]
+                    dequant(w_smem, buf, carry, kk)
+                    plgpu.commit_smem()
+                    for part, x_smem in enumerate(x_smems):
+                        plgpu.wgmma(acc, buf.at[part], x_smem.T)
+                    plgpu.wgmma_wait(1)
+                    return nxt
 
-        acc = pl.run_scoped(compute, plgpu.ACC((BN, bm), jnp.float32))
-        if fmt == "nvfp4":
-            acc = acc * s_gmem[1][0]
-        store_tile(acc.astype(part_dtype), o_smem, o_gmem, ks, splits, pl.ds(mb * bm, bm), rows)
+                in_specs = [plgpu.BlockSpec(w_block, lambda kk: (wb, k0 + kk), transforms=w_tr)]
+                in_specs += [plgpu.BlockSpec(blk, lambda kk: (mb, k0 + kk), transforms=op_tr, delay_release=1)
+                             for blk in x_blocks]
+                plgpu.emit_pipeline(body, grid=(nk,), in_specs=in_specs, max_concurrent_steps=stages,
+                                    init_carry=step_scales(0))(w_gmem, *x_gmem)
+                plgpu.wgmma_wait(0)
+                return acc[...]
+
+            acc = pl.run_scoped(compute, plgpu.ACC((BN, bm), jnp.float32))
+            if fmt == "nvfp4":
+                acc = acc * s_gmem[1][e]
+            store_tile(acc.astype(part_dtype), o_smem, o_gmem, ks, splits, pl.ds(mb * bm, bm), pl.ds(nb * BN, BN))
+
+        if grouped:
+            pl.when(e >= 0)(tile)
+        else:
+            tile()
 
     out_shape = (splits, mp, n) if splits > 1 else (mp, n)
     call = plgpu.kernel(
@@ -291,7 +311,7 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, interpret=Fa
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **common.interpret_kwargs(interpret),
     )
-    return call(*xs, w, *scales)
+    return call(*xs, w, *scales, *((tile_expert,) if grouped else ()))
 
 
 def store_tile(acc_t, o_smem, o_gmem, ks, splits: int, rows, cols) -> None:

@@ -1,0 +1,36 @@
+"""Grouped quantized-expert matmul on Hopper: the shared dequantizing engine
+(``pallas_kernels/mxfp8/wdequant.py``) with one expert per row tile. The experts are viewed
+stacked along N (``[E·N, ...]``, a free reshape), so a tile's weight rows are those of its
+expert; the engine's decode tiling (bm = 8..64 tokens in wgmma's N, weight streaming, split K
+when the tiles alone do not fill the GPU) or its prefill tiling (bm >= 128) applies per tile."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels.mxfp8 import wdequant as wd
+
+from .reference import validate
+
+
+def grouped_matmul_kernel(x_rows, tile_expert, fmt, w, *scales, expert_offset=0, out_dtype=None, interpret=False,
+                          **plan_overrides):
+    """See ``pallas_kernels.moe_quant``; plan_overrides: tk, splits, stages."""
+    validate(x_rows, tile_expert, fmt, w, *scales)
+    out_dtype = out_dtype or x_rows.dtype
+    n = w.shape[1]
+    t = tile_expert.shape[0]
+    bm = x_rows.shape[0] // t
+    k = w.shape[2] * (2 if fmt == "nvfp4" else 1)
+    if n % wd.BN or (fmt == "fp8_block" and n % 128):
+        raise ValueError(f"grouped {fmt} experts need N % {128 if fmt == 'fp8_block' else wd.BN} == 0, got N={n}")
+    if bm not in (8, 16, 32, 64, 128, 256):
+        raise ValueError(f"row tiles of {bm} rows; expected 8, 16, 32, 64, 128 or 256")
+    p = wd.plan(bm, n, k, fmt, bm=bm, row_tiles=t, **plan_overrides)
+    x2 = x_rows.astype(jnp.bfloat16)
+    xs = (x2[:, 0::2], x2[:, 1::2]) if fmt == "nvfp4" else (x2,)
+    flat = lambda a: a.reshape(-1, *a.shape[2:]) if a.ndim > 1 else a
+    te = jnp.where(tile_expert >= 0, tile_expert + jnp.asarray(expert_offset, jnp.int32), -1).astype(jnp.int32)
+    y = wd.wdequant_matmul(xs, flat(w), tuple(flat(s) for s in scales), fmt=fmt, p=p, out_dtype=out_dtype,
+                           tile_expert=te, expert_n=n, interpret=interpret)
+    return wd.finish(y, p, x_rows.shape[0], n, out_dtype)

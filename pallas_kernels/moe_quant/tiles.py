@@ -1,0 +1,58 @@
+"""Routing -> row tiles of one expert each (the grouped kernel's input contract)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Tiles(NamedTuple):
+    """Row tiles of ``bm`` rows for ``P`` token-slots over ``E`` experts.
+
+    tile_expert  int32 [T]      expert of tile t, -1 for unused tiles; T = ceil(P/bm) + min(E, P)
+                                bounds the tiles any routing needs (each expert wastes < 1 tile)
+    slot_of_row  int32 [T·bm]   token-slot (flat index into idx [N, k]) held by a row, -1 padding
+    row_of_pair  int32 [P]      row holding token-slot p
+    """
+
+    tile_expert: jax.Array
+    slot_of_row: jax.Array
+    row_of_pair: jax.Array
+
+    @property
+    def bm(self) -> int:
+        return self.slot_of_row.shape[0] // self.tile_expert.shape[0]
+
+
+def num_tiles(pairs: int, experts: int, bm: int) -> int:
+    return -(-pairs // bm) + min(experts, pairs)
+
+
+def route_tiles(idx: jax.Array, num_experts: int, bm: int) -> Tiles:
+    """idx [N, k] int32 expert ids -> :class:`Tiles` (slots of one expert in routing order)."""
+    flat = idx.reshape(-1).astype(jnp.int32)
+    p = flat.shape[0]
+    t = num_tiles(p, num_experts, bm)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)          # slots per expert
+    ntiles = (sizes + bm - 1) // bm
+    tile_end = jnp.cumsum(ntiles)                                             # [E]
+    tile_start = tile_end - ntiles
+    slot_start = jnp.cumsum(sizes) - sizes
+    order = jnp.argsort(flat, stable=True)                                   # slots grouped by expert
+    rank = jnp.arange(p, dtype=jnp.int32) - slot_start[flat[order]]          # position within its expert
+    row_sorted = (tile_start[flat[order]] * bm + rank).astype(jnp.int32)
+    row_of_pair = jnp.zeros((p,), jnp.int32).at[order].set(row_sorted)
+    slot_of_row = jnp.full((t * bm,), -1, jnp.int32).at[row_sorted].set(order.astype(jnp.int32))
+    tid = jnp.arange(t, dtype=jnp.int32)
+    expert = jnp.searchsorted(tile_end, tid, side="right").astype(jnp.int32)
+    tile_expert = jnp.where(tid < tile_end[-1], expert, -1)
+    return Tiles(tile_expert, slot_of_row, row_of_pair)
+
+
+def gather_rows(x: jax.Array, tiles: Tiles, k: int) -> jax.Array:
+    """x [N, D] (the routed tokens, k slots each) -> [T·bm, D] rows of the tiles, zero padding."""
+    slot = tiles.slot_of_row
+    rows = x[jnp.maximum(slot, 0) // k]
+    return jnp.where((slot >= 0)[:, None], rows, jnp.zeros((), x.dtype))

@@ -1,0 +1,140 @@
+"""pallas_kernels.moe_quant: routing -> tiles, and the grouped quantized-expert matmul
+(Mosaic GPU interpret mode and the jnp twin) against an independent NumPy oracle that
+dequantizes each routed expert with tests/quant/quant_oracle.py and multiplies per token-slot."""
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "quant"))
+import quant_oracle as orc  # noqa: E402
+
+from kk_jax.quant import fp8_block, mxfp8, nvfp4  # noqa: E402
+from pallas_kernels.moe_quant import gather_rows, grouped_matmul, route_tiles  # noqa: E402
+
+
+def experts(fmt, e, n, k, seed=0):
+    """(stacked operands, NumPy dequantized [E, N, K] float64). nvfp4 and mxfp8 weights are exact
+    in bf16; block FP8's are rounded to bf16 once, as the W8A16 kernels do."""
+    rng = np.random.default_rng(seed)
+    ops, dense = [], []
+    for _ in range(e):
+        w = rng.standard_normal((n, k)) * np.exp2(rng.integers(-3, 4, (n, 1)))
+        if fmt == "nvfp4":
+            q = nvfp4.quantize(w)
+            dense.append(orc.dequant_nvfp4(*q))
+        elif fmt == "mxfp8":
+            q = mxfp8.quantize(w)
+            dense.append(orc.dequant_mxfp8(*q))
+        else:
+            q = fp8_block.quantize(w)
+            dense.append(orc.bf16_round(orc.dequant_fp8_block(*q)))       # the kernel's bf16 weight (W8A16)
+        ops.append(q)
+    stacked = tuple(jnp.stack([jnp.asarray(o[i]).reshape(jnp.shape(o[i])) for o in ops]) for i in range(len(ops[0])))
+    return stacked, np.stack(dense)
+
+
+def oracle(x, idx, dense):
+    """[N·k, N_out]: token n's slot j times expert idx[n, j]."""
+    tok = np.repeat(np.arange(idx.shape[0]), idx.shape[1])
+    return np.stack([orc.matmul(x[t:t + 1], dense[e])[0] for t, e in zip(tok, idx.reshape(-1))])
+
+
+def test_route_tiles_cover_every_slot_once():
+    idx = jnp.asarray([[3, 1], [1, 0], [1, 3], [2, 1]], jnp.int32)
+    t = route_tiles(idx, num_experts=5, bm=2)
+    te, sor, rop = map(np.asarray, t)
+    assert te.shape == (4 + 5,) and sor.shape == (18,)          # ceil(8/2) + min(5, 8)
+    flat = np.asarray(idx).reshape(-1)
+    # every slot sits in exactly one row, of a tile of its own expert
+    assert sorted(sor[sor >= 0].tolist()) == list(range(8))
+    for p, r in enumerate(rop):
+        assert sor[r] == p and te[r // 2] == flat[p]
+    # expert 1 has 4 slots -> 2 tiles; 0, 2, 3 one each; unused tiles are -1 at the end
+    assert te.tolist() == [0, 1, 1, 2, 3, -1, -1, -1, -1]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "fp8_block"])
+@pytest.mark.parametrize("backend", ["pallas", "xla"])
+def test_grouped_matmul_matches_oracle(fmt, backend):
+    e, n, k, tokens, top = 6, 128, 256, 5, 3
+    ops, dense = experts(fmt, e, n, k, seed=len(fmt))
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    idx = np.stack([rng.choice(e, top, replace=False) for _ in range(tokens)]).astype(np.int32)
+    tiles = route_tiles(jnp.asarray(idx), e, bm=8)
+    rows = gather_rows(jnp.asarray(x), tiles, top)
+    y = grouped_matmul(rows, tiles.tile_expert, fmt, *ops, backend=backend, out_dtype=jnp.float32,
+                       interpret=True)
+    got = np.asarray(y)[np.asarray(tiles.row_of_pair)]
+    assert orc.rel_err(got, oracle(x, idx, dense)) < 1e-5
+
+
+def test_expert_offset_selects_a_layer_of_stacked_experts():
+    """Weights of two layers stacked [2·E, ...]: offset E uses the second layer's experts."""
+    e, n, k = 3, 64, 128
+    ops, dense = experts("nvfp4", 2 * e, n, k, seed=3)
+    idx = np.asarray([[0, 2], [1, 0]], np.int32)
+    x = np.random.default_rng(2).standard_normal((2, k)).astype(np.float32)
+    tiles = route_tiles(jnp.asarray(idx), e, bm=8)
+    y = grouped_matmul(gather_rows(jnp.asarray(x), tiles, 2), tiles.tile_expert, "nvfp4", *ops,
+                       expert_offset=jnp.int32(e), out_dtype=jnp.float32, interpret=True)
+    got = np.asarray(y)[np.asarray(tiles.row_of_pair)]
+    assert orc.rel_err(got, oracle(x, idx + e, dense)) < 1e-5
+
+
+def test_split_k_and_wide_tiles():
+    """K split over CTAs (partials summed) and 16-row tiles with an expert spanning two tiles."""
+    e, n, k = 2, 64, 512
+    ops, dense = experts("mxfp8", e, n, k, seed=5)
+    idx = np.asarray([[0]] * 20 + [[1]], np.int32)
+    x = np.random.default_rng(4).standard_normal((21, k)).astype(np.float32)
+    tiles = route_tiles(jnp.asarray(idx), e, bm=16)
+    y = grouped_matmul(gather_rows(jnp.asarray(x), tiles, 1), tiles.tile_expert, "mxfp8", *ops,
+                       out_dtype=jnp.float32, interpret=True)
+    got = np.asarray(y)[np.asarray(tiles.row_of_pair)]
+    assert orc.rel_err(got, oracle(x, idx, dense)) < 1e-5
+    from pallas_kernels.moe_quant import grouped_matmul_kernel
+    y2 = grouped_matmul_kernel(gather_rows(jnp.asarray(x), tiles, 1), tiles.tile_expert, "mxfp8", *ops,
+                               out_dtype=jnp.float32, interpret=True, tk=128, splits=2)
+    assert orc.rel_err(np.asarray(y2)[np.asarray(tiles.row_of_pair)], oracle(x, idx, dense)) < 1e-5
+
+
+def test_bad_operands_are_named():
+    ops, _ = experts("nvfp4", 2, 64, 64)
+    te = jnp.zeros((1,), jnp.int32)
+    x = jnp.zeros((8, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="unknown expert format"):
+        grouped_matmul(x, te, "int4", *ops, backend="xla")
+    with pytest.raises(ValueError, match="do not stack the 2 experts"):
+        grouped_matmul(x, te, "nvfp4", ops[0], ops[1][:1], ops[2], backend="xla")
+    with pytest.raises(ValueError, match="w_scale has shape"):
+        grouped_matmul(x, te, "nvfp4", ops[0], ops[1][:, :, :2], ops[2], backend="pallas")
+
+
+@pytest.mark.parametrize("rows", [9 * 8, 352 * 8])
+def test_lowers_for_hopper(rows):
+    e, n, k = 288, 2048, 4096
+    f = lambda x, te, w, s, s2: grouped_matmul(x, te, "nvfp4", w, s, s2)
+    jax.jit(f).trace(jax.ShapeDtypeStruct((rows, k), jnp.bfloat16), jax.ShapeDtypeStruct((rows // 8,), jnp.int32),
+                     jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8),
+                     jax.ShapeDtypeStruct((e, n, k // 16), jnp.float8_e4m3fn),
+                     jax.ShapeDtypeStruct((e,), jnp.float32)).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "fp8_block"])
+def test_compiled_kernel_matches_oracle(fmt):
+    e, n, k, tokens, top = 16, 256, 1024, 12, 4
+    ops, dense = experts(fmt, e, n, k, seed=9)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    idx = np.stack([rng.choice(e, top, replace=False) for _ in range(tokens)]).astype(np.int32)
+    tiles = route_tiles(jnp.asarray(idx), e, bm=8)
+    y = grouped_matmul(gather_rows(jnp.asarray(x), tiles, top), tiles.tile_expert, fmt, *ops, out_dtype=jnp.float32)
+    got = np.asarray(y)[np.asarray(tiles.row_of_pair)]
+    assert orc.rel_err(got, oracle(x, idx, dense)) < 1e-4
