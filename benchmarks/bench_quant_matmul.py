@@ -11,10 +11,9 @@ For every (M, N, K) it times, in one process on one GPU:
 * ``fp8_block`` W8A8 (``act_quant``; activations quantized per 1x128 inside the timed call)
   and, for M >= 1024, ``xla_fp8``: XLA's per-tensor fp8 x fp8 dot (no block scales; the
   1487 TFLOP/s ceiling), with the activation quantization outside the timed region.
-* a grouped (MoE) evaluation at decode and prefill row counts: tokamax ``ragged_dot`` on bf16
-  weights, on fp8-quantized ones (qwix, 1x128 K tiles per output channel, dequantized in its
-  kernel), and the engine's current path for quantized experts (block FP8 / NVFP4 kept in our
-  stacked layout, dequantized in jnp inside the same jit, then the bf16 ``ragged_dot``).
+* a grouped (MoE) evaluation at decode and prefill token counts (``run_moe``): tokamax
+  ``ragged_dot`` on bf16 weights and on fp8-quantized ones (qwix), dequantize-then-``ragged_dot``,
+  and our grouped dequantizing kernel (``pallas_kernels.moe_quant``) per format.
 
 Each timed call runs the op on R independent weight copies inside one jit (so decode shapes
 stream from HBM, not from the 60 MB L2, and launch gaps are amortised); time per op is the
@@ -40,8 +39,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kk_jax.quant import fp8_block as q_fp8, mxfp8 as q_mx, nvfp4 as q_nv  # noqa: E402
-from kk_jax.models.layers.moe import dequantize_stacked  # noqa: E402
+from kk_jax.models.layers.moe import dequantize_stacked, routed_subset, tile_rows  # noqa: E402
 from pallas_kernels import fp8_block, mxfp8, nvfp4  # noqa: E402
+from pallas_kernels.moe_quant import gather_rows, grouped_matmul, route_tiles  # noqa: E402
 
 FORMATS = ("fp8_block", "mxfp8", "nvfp4")
 
@@ -164,8 +164,21 @@ def run_dense(ms, nks, reps, interpret, budget_bytes, log):
     return rows
 
 
-def run_moe(interpret, reps, log, experts=64, k=4096, n=2048, row_counts=(512, 16384)):
-    """tokamax ragged_dot bf16 vs fp8-quantized weights (the grouped-MoE candidates)."""
+def run_moe(interpret, reps, log, experts=288, k=4096, n=2048, top=8, token_counts=(1, 8, 64, 2048), routings=8):
+    """One grouped expert projection ([E, N, K] experts, GLM-5.3-Flash's gate/up shape) over
+    routed tokens (``top`` random distinct experts per token; ``routings`` different routings
+    per timed call, so decode calls do not find their few experts in L2):
+
+    * ``tokamax_bf16``: tokamax ``ragged_dot`` on bf16 experts (tokens sorted by expert)
+    * ``tokamax_fp8_1x128``: tokamax's quantized ``ragged_dot`` (qwix fp8, one scale per output
+      channel and 128-wide K tile), first token count only
+    * per format, ``deq+tokamax``: the engine's previous path (routed experts gathered when
+      N·k < E, else all, dequantized in jnp, then the bf16 ``ragged_dot``)
+    * per format, ``grouped``: ``pallas_kernels.moe_quant`` (row tiles of one expert, dequantized
+      in the kernel)
+
+    TB/s counts the bytes of the distinct experts a call touches (incl. scales) + x + y; ``check``
+    compares each path with the first one of its format (grouped against deq+tokamax)."""
     rows = []
     try:
         import qwix
@@ -173,32 +186,59 @@ def run_moe(interpret, reps, log, experts=64, k=4096, n=2048, row_counts=(512, 1
     except Exception as e:                                                     # noqa: BLE001
         rows.append(dict(fmt="moe", path="tokamax", error=f"tokamax unavailable: {e}"))
         return rows
+
     key = jax.random.key(7)
-    w = (0.02 * jax.random.normal(key, (experts, k, n), jnp.float32)).astype(jnp.bfloat16)
-    wq = qwix.quantize(w, jnp.float8_e4m3fn, tiled_axes={0: 1, 1: 128, 2: 1})
+    w = (0.02 * jax.random.normal(key, (experts, n, k), jnp.float32)).astype(jnp.bfloat16)     # HF [E, N, K]
+    w_t = jnp.swapaxes(w, 1, 2)                                                # [E, K, N] for ragged_dot
     impl = None if not interpret else "xla"
-    ours = {}                                       # our stacked [E, K, N] layouts (kk_jax.models.layers.moe)
-    for fmt, mod in (("fp8_block", q_fp8), ("nvfp4", q_nv)):
-        ops = jax.jit(jax.vmap(mod.quantize))(jnp.swapaxes(w, 1, 2))       # per expert [N, K] -> operands
-        ours[fmt] = tuple(jnp.swapaxes(o, 1, 2) if o.ndim == 3 else o for o in ops)
-    for m in row_counts:
+    quant = {fmt: tuple(jax.jit(jax.vmap(mod.quantize))(w)) for fmt, mod in
+             (("fp8_block", q_fp8), ("mxfp8", q_mx), ("nvfp4", q_nv))}
+    per_expert = {"bf16": n * k * 2, **{f: nbytes(ops) // experts for f, ops in quant.items()}}
+
+    def ragged(x, idx, rhs):
+        flat = idx.reshape(-1)
+        order = jnp.argsort(flat)
+        sizes = jnp.bincount(flat, length=rhs.shape[0]).astype(jnp.int32)
+        y = tokamax.ragged_dot(x[order // top], rhs, sizes, implementation=impl)
+        return jnp.zeros_like(y).at[order].set(y)                              # token-slot order
+
+    def deq_tokamax(fmt):
+        def fn(x, idx, *ops):
+            if idx.size < experts:
+                idx, ids = routed_subset(idx, experts)
+                ops = tuple(o[ids] for o in ops)
+            return ragged(x, idx, dequantize_stacked(fmt, ops, dtype=jnp.bfloat16))
+        return fn
+
+    def grouped(fmt):
+        def fn(x, idx, *ops):
+            tiles = route_tiles(idx, experts, tile_rows(idx.size, experts))
+            y = grouped_matmul(gather_rows(x, tiles, top), tiles.tile_expert, fmt, *ops, interpret=interpret)
+            return y[tiles.row_of_pair]
+        return fn
+
+    for ti, m in enumerate(token_counts):
         x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.float32).astype(jnp.bfloat16)
-        gs = jnp.full((experts,), m // experts, jnp.int32)
-        cands = [("tokamax_bf16", w, experts * k * n * 2, None),
-                 ("tokamax_fp8_1x128", wq, experts * k * n + experts * (k // 128) * n * 2, None)]
-        cands += [(f"ours_{fmt}_deq+tokamax_bf16", ops, nbytes(ops), fmt) for fmt, ops in ours.items()]
-        for name, rhs, wb, fmt in cands:
+        idxs = [jnp.argsort(jax.random.uniform(jax.random.fold_in(key, 100 * m + r), (m, experts)), axis=-1)[:, :top]
+                .astype(jnp.int32) for r in range(routings)]
+        touched = statistics.mean(len(np.unique(np.asarray(i))) for i in idxs)
+        cands = [("tokamax_bf16", "bf16", lambda x, idx, r: ragged(x, idx, r), (w_t,))]
+        if ti == 0:
+            wq = qwix.quantize(w_t, jnp.float8_e4m3fn, tiled_axes={0: 1, 1: 128, 2: 1})
+            per_expert["qwix_fp8"] = nbytes(jax.tree.leaves(wq)) // experts
+            cands.append(("tokamax_fp8_1x128", "qwix_fp8", lambda x, idx, r: ragged(x, idx, r), (wq,)))
+        for fmt, ops in quant.items():
+            cands += [(f"{fmt}_deq+tokamax", fmt, deq_tokamax(fmt), ops), (f"{fmt}_grouped", fmt, grouped(fmt), ops)]
+        refs = {}                       # per format: the first path's result (grouped vs deq+tokamax)
+        for name, fmt, fn, ops in cands:
             try:
-                if fmt is None:
-                    fn = lambda x, r: tokamax.ragged_dot(x, r, gs, implementation=impl)
-                    sets = [(rhs,)]
-                else:
-                    fn = lambda x, *ops, fmt=fmt: tokamax.ragged_dot(
-                        x, dequantize_stacked(fmt, ops, dtype=jnp.bfloat16), gs, implementation=impl)
-                    sets = [rhs]
-                t, y = timed(fn, x, sets, reps)
-                row = dict(fmt="moe", path=name, M=m, N=n, K=k, G=experts, us=t * 1e6,
-                           tbs=(wb + m * k * 2 + m * n * 2) / t / 1e12, tflops=2.0 * m * n * k / t / 1e12)
+                t, y = timed(lambda x, idx, *o, fn=fn: fn(x, idx, *o), x, [(i, *ops) for i in idxs], reps)
+                y = jnp.asarray(y, jnp.float32)
+                ref = refs.setdefault(fmt, y)
+                wb = touched * per_expert[fmt]
+                row = dict(fmt="moe", path=name, M=m, N=n, K=k, G=experts, us=t * 1e6, experts_touched=touched,
+                           tbs=(wb + m * k * 2 + m * top * n * 2) / t / 1e12, tflops=2.0 * m * top * n * k / t / 1e12,
+                           check=rel_err(y, ref))
             except Exception as e:                                             # noqa: BLE001
                 row = dict(fmt="moe", path=name, M=m, N=n, K=k, G=experts, error=f"{type(e).__name__}: {str(e)[:300]}")
                 traceback.print_exc(limit=3)
@@ -226,6 +266,8 @@ def main(argv=None):
     ap.add_argument("--budget-mb", type=int, default=160, help="fp8 weight bytes per timed call (> the 60 MB L2)")
     ap.add_argument("--json", default="bench_quant_matmul.json")
     ap.add_argument("--no-moe", action="store_true")
+    ap.add_argument("--moe-tokens", default="1,8,64,2048", help="routed tokens per grouped-expert call (top-8)")
+    ap.add_argument("--no-dense", action="store_true", help="only the grouped-expert rows")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
     args = ap.parse_args(argv)
     interpret = args.cpu_smoke
@@ -244,9 +286,10 @@ def main(argv=None):
     t0 = time.perf_counter()
     rows = []
     if not args.no_moe:                 # first: the grouped-expert question (item 4) is the cheapest to answer
-        rows += run_moe(interpret, reps, log, **({} if not args.cpu_smoke else
-                                                 dict(experts=4, k=256, n=128, row_counts=(64,))))
-    rows += run_dense(ms, nks, reps, interpret, budget, log)
+        rows += run_moe(interpret, reps, log, token_counts=tuple(int(v) for v in args.moe_tokens.split(",")),
+                        **({} if not args.cpu_smoke else dict(experts=4, k=256, n=128, top=2, routings=2)))
+    if not args.no_dense:
+        rows += run_dense(ms, nks, reps, interpret, budget, log)
     # side-by-side summary: ours vs XLA dequantize-then-dot and vs bf16 at each shape
     print("\nsummary (speed-up of pallas over xla_deq / over xla_bf16):", flush=True)
     idx = {(r["fmt"], r["path"], r.get("M"), r.get("N"), r.get("K")): r for r in rows if "error" not in r}

@@ -83,14 +83,15 @@ def kv_dtype(name: str, model_dtype):
     return {"auto": model_dtype, "bfloat16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}[name]
 
 
-def checkpoint_tensors(flat) -> tuple[dict, dict[str, list[str]]]:
+def checkpoint_tensors(flat) -> tuple[dict, dict[str, Stack]]:
     """Expected checkpoint tensors {name: TensorSpec} for the model's flat NNX state, and, for
     stacked routed experts (``hf_experts`` metadata ``(proj, E)`` or ``(proj, E, suffix)`` on an
-    ``[E, a, b]`` or ``[E]`` param), the per-expert checkpoint names
-    (``...experts.{e}.{proj}.{suffix}``, suffix ``weight`` by default, HF layout ``[b, a]``) each
-    stacked param is built from. Quantized expert tensors (``quant_dtype`` metadata: codes and
-    scales) must have that exact dtype, so a mis-shaped or mistyped one is reported by the
-    loader before any device work."""
+    ``[E, a, b]`` or ``[E]`` param), the :class:`Stack` of per-expert checkpoint names
+    (``...experts.{e}.{proj}.{suffix}``, suffix ``weight`` by default) each stacked param is
+    built from. Float experts are stacked transposed (HF ``[b, a]`` per expert); params with
+    ``hf_orientation`` metadata (quantized experts) keep the checkpoint's ``[a, b]``. Quantized
+    expert tensors (``quant_dtype`` metadata: codes and scales) must have that exact dtype, so a
+    mis-shaped or mistyped one is reported by the loader before any device work."""
     expected, stacks = {}, {}
     for path, var in flat:
         name = ".".join(map(str, path))
@@ -102,26 +103,28 @@ def checkpoint_tensors(flat) -> tuple[dict, dict[str, list[str]]]:
         proj, n, suffix = (*spec, "weight")[:3]
         base = ".".join(map(str, path[:-1]))
         names = [f"{base}.{e}.{proj}.{suffix}" for e in range(n)]
-        per_expert = TensorSpec(tuple(reversed(var.shape[1:])), tuple(reversed(tuple(var.axes)[1:])),
+        transpose = not meta.get("hf_orientation", False)
+        order = reversed if transpose else tuple
+        per_expert = TensorSpec(tuple(order(var.shape[1:])), tuple(order(tuple(var.axes)[1:])),
                                 meta.get("quant_dtype"))
         for n_ in names:
             expected[n_] = per_expert
-        stacks[name] = names
+        stacks[name] = Stack(tuple(names), transpose=transpose)
     return expected, stacks
 
 
-def param_stacks(flat, expert_stacks: dict[str, list[str]]) -> dict[str, tuple[TensorSpec, Stack]]:
+def param_stacks(flat, expert_stacks: dict[str, Stack]) -> dict[str, tuple[TensorSpec, Stack]]:
     """The model's parameters that the loader assembles from several checkpoint tensors: stacked
-    routed experts (per-expert HF tensors, transposed) and the layers of a scanned group
+    routed experts (per-expert HF tensors) and the layers of a scanned group
     (``stacked_layers`` metadata), each {param name: (its spec, Stack of checkpoint names)}."""
-    def recipe(name):
-        return Stack(tuple(expert_stacks[name]), transpose=True) if name in expert_stacks else name
-
     out = {}
     for path, var in flat:
         name, layers = ".".join(map(str, path)), var.get_metadata().get("stacked_layers")
-        part = (Stack(tuple(recipe(".".join(map(str, p))) for p in member_paths(path, layers))) if layers
-                else recipe(name))
+        if layers:
+            members = (".".join(map(str, p)) for p in member_paths(path, layers))
+            part = Stack(tuple(expert_stacks.get(m, m) for m in members))
+        else:
+            part = expert_stacks.get(name, name)
         if isinstance(part, Stack):
             out[name] = (TensorSpec(tuple(var.shape), tuple(var.get_metadata()["axes"])), part)
     return out

@@ -132,8 +132,9 @@ def test_release_fp8_runs_close_to_its_dequantized_copy(quantized, tmp_path):
     idx = index_checkpoint(quantized["release"])
     assert "model.language_model.layers.3.self_attn.kv_b_proj.weight_scale_inv" not in idx   # kept as released
     experts = "model.language_model.layers.3.mlp.experts"      # layers 1-2 run stacked (scanned)
-    assert (w[f"{experts}.gate_proj"].dtype, w[f"{experts}.gate_proj"].shape) == (jnp.float8_e4m3fn, (8, 64, 32))
-    assert (w[f"{experts}.down_proj"].dtype, w[f"{experts}.down_proj"].shape) == (jnp.float8_e4m3fn, (8, 32, 64))
+    # stacked in the checkpoint's [out, in] orientation
+    assert (w[f"{experts}.gate_proj"].dtype, w[f"{experts}.gate_proj"].shape) == (jnp.float8_e4m3fn, (8, 32, 64))
+    assert (w[f"{experts}.down_proj"].dtype, w[f"{experts}.down_proj"].shape) == (jnp.float8_e4m3fn, (8, 64, 32))
     assert w[f"{experts}.gate_proj_weight_scale_inv"].shape == (8, 1, 1)
     assert w["model.language_model.layers.1.mlp.shared_experts.gate_proj.weight"].dtype == jnp.float8_e4m3fn
     _, ref_logits, _ = run(dequantized_copy(quantized["release"], tmp_path / "deq"))
@@ -149,9 +150,9 @@ def test_release_fp8_runs_close_to_its_dequantized_copy(quantized, tmp_path):
 
 
 @pytest.mark.parametrize("algo,codes,scale", [
-    ("fp8_block", (jnp.float8_e4m3fn, (8, 64, 32)), ("gate_proj_weight_scale_inv", jnp.float32, (8, 1, 1))),
-    ("mxfp8", (jnp.float8_e4m3fn, (8, 64, 32)), ("gate_proj_weight_scale", jnp.uint8, (8, 2, 32))),
-    ("nvfp4", (jnp.uint8, (8, 32, 32)), ("gate_proj_weight_scale", jnp.float8_e4m3fn, (8, 4, 32))),
+    ("fp8_block", (jnp.float8_e4m3fn, (8, 32, 64)), ("gate_proj_weight_scale_inv", jnp.float32, (8, 1, 1))),
+    ("mxfp8", (jnp.float8_e4m3fn, (8, 32, 64)), ("gate_proj_weight_scale", jnp.uint8, (8, 32, 2))),
+    ("nvfp4", (jnp.uint8, (8, 32, 32)), ("gate_proj_weight_scale", jnp.float8_e4m3fn, (8, 32, 4))),
 ])
 def test_quantized_experts_equal_their_dequantized_copy(quantized, tmp_path, algo, codes, scale):
     tokens, logits, w = run(quantized[algo])
@@ -206,8 +207,8 @@ def test_nvfp4_experts_tensor_parallel_match_tp1(quantized):
     K in whole 16-blocks); the per-expert global scales are replicated."""
     tokens, logits, w = run(quantized["nvfp4"], tp=2)
     experts = "model.language_model.layers.3.mlp.experts"      # layers 1-2 run stacked (scanned)
-    assert w[f"{experts}.down_proj"].sharding.shard_shape(w[f"{experts}.down_proj"].shape) == (8, 8, 64)
-    assert w[f"{experts}.gate_proj_weight_scale"].sharding.shard_shape((8, 4, 32)) == (8, 4, 16)
+    assert w[f"{experts}.down_proj"].sharding.shard_shape(w[f"{experts}.down_proj"].shape) == (8, 64, 8)
+    assert w[f"{experts}.gate_proj_weight_scale"].sharding.shard_shape((8, 32, 4)) == (8, 16, 4)
     want_tokens, want_logits, _ = run(quantized["nvfp4"])
     assert tokens == want_tokens
     np.testing.assert_allclose(logits, want_logits, rtol=0, atol=1e-4 * np.abs(want_logits).max())

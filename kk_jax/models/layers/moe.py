@@ -9,14 +9,15 @@ dot supports — never on the GPU hot path. Under tensor parallelism each device
 holds a slice of every expert's intermediate width; partial outputs are summed across ``tp``.
 
 Quantized routed experts (block FP8 as released, ModelOpt MXFP8 / NVFP4) stay quantized in
-device memory, stacked per layer (:class:`Experts`); each call dequantizes in jnp to the
-activation dtype and then runs the same grouped dot. When the call routes fewer token-slots
-than there are experts (decode: N·k < E), only the experts it routes to are gathered and
-dequantized (:func:`routed_subset`; XLA fuses the gather into the dequantization): at batch 1 that is k of E experts instead of all of them.
-Otherwise the whole local shard is dequantized, one temporary copy per call (on the H200 that
-path costs 1.8x the bf16 grouped dot at 16K rows; a fused grouped kernel that reads the codes
-and scales directly is future work). The shared expert is a ``SwiGLU`` of ``Linear``
-layers, quantized by ``prepare_linears`` like any dense projection.
+device memory, stacked per layer in the checkpoint's ``[out, in]`` orientation
+(:class:`Experts`). On the GPU (``pallas``) they run through ``pallas_kernels.moe_quant``:
+the token-slots of each expert are packed into row tiles and every tile is multiplied by its
+expert's codes and scales, dequantized inside the kernel, so a decode step reads only the
+experts it routes to, once each (:func:`quantized_experts`). Elsewhere (``xla``; or a layout the
+kernel does not take) the routed experts (decode: N·k < E, :func:`routed_subset`) or the whole
+local shard are dequantized in jnp to the activation dtype and run through the grouped dot
+above. The shared expert is a ``SwiGLU`` of ``Linear`` layers, quantized by
+``prepare_linears`` like any dense projection.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from kk_jax.models.layers.mlp import SwiGLU
 from kk_jax.parallel.mesh import TP, spec
-from kk_jax.quant import mxfp8, nvfp4
+from kk_jax.quant import fp8_block, mxfp8, nvfp4
 
 
 def route(x: jax.Array, weight: jax.Array, bias: jax.Array, k: int, scaling: float, renorm: bool):
@@ -82,6 +83,35 @@ def grouped_experts(x, idx, w, gate, up, down, limit: float, backend: str = "xla
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y)
 
 
+def tile_rows(pairs: int, experts: int) -> int:
+    """Rows per tile of the grouped quantized kernel: about the mean number of token-slots per
+    routed expert (a power of two in 8..128), so that decode pads little and prefill re-reads
+    each expert's weights few times."""
+    mean = -(-pairs // min(experts, pairs))
+    return min(128, max(8, 1 << (mean - 1).bit_length()))
+
+
+def quantized_experts(x, idx, w, methods, projs, limit: float, num_experts: int, expert_offset=0,
+                      interpret=False):
+    """:func:`grouped_experts` over quantized experts, dequantized inside the
+    ``pallas_kernels.moe_quant`` kernel (``interpret``: its CPU interpreter, for tests).
+    ``projs``: per projection (gate, up, down) the operands in the :class:`Experts` layout
+    (``[E', N, K']``, E' = layers x E when a scanned group's stack is passed whole;
+    ``expert_offset`` then selects the layer's E experts)."""
+    from pallas_kernels.moe_quant import gather_rows, grouped_matmul, route_tiles
+
+    n, k = idx.shape
+    tiles = route_tiles(idx, num_experts, tile_rows(idx.size, num_experts))
+    rows = gather_rows(x, tiles, k)                                             # [T·bm, D]
+    mm = lambda a, m, ops: grouped_matmul(a, tiles.tile_expert, m, *ops, expert_offset=expert_offset,
+                                          out_dtype=jnp.float32, interpret=interpret)
+    g, u = mm(rows, methods[0], projs[0]), mm(rows, methods[1], projs[1])
+    h = jax.nn.silu(jnp.minimum(g, limit)) * jnp.clip(u, -limit, limit)
+    y = mm(h.astype(x.dtype), methods[2], projs[2])[tiles.row_of_pair]          # [N·k, D], slot order
+    y = y * w.reshape(-1)[:, None]
+    return jnp.zeros((n, x.shape[-1]), jnp.float32).at[jnp.arange(n * k) // k].add(y)
+
+
 class Router(nnx.Module):
     def __init__(self, hidden: int, experts: int, dtype):
         self.weight = nnx.Param(jnp.zeros((experts, hidden), dtype), axes=(None, "embed"))
@@ -94,16 +124,17 @@ class Experts(nnx.Module):
     metadata ``(name, E)`` tells the runner to stack and transpose them at load.
 
     Quantized experts (:meth:`quantize_`, applied by :func:`prepare_experts` before loading)
-    keep the checkpoint's codes and scales on the device, stacked per layer in the same
-    transposed layout as the float weights, so that every tensor is ``[E, in-side, out-side]``:
+    keep the checkpoint's codes and scales on the device, stacked per layer in the checkpoint's
+    own ``[out, in]`` orientation (``hf_orientation`` metadata: the loader stacks them without
+    transposing), which is the layout the grouped dequantizing kernel streams:
 
         ============  ==========================================================================
         method        stacked tensors of one projection (per-expert HF tensor -> stacked param)
         ============  ==========================================================================
-        fp8_block     ``{proj}``: e4m3 [E, K, N]; ``{proj}_weight_scale_inv``: f32 [E, ceil(K/bk), ceil(N/bn)]
-        mxfp8         ``{proj}``: e4m3 [E, K, N]; ``{proj}_weight_scale``: uint8 E8M0 [E, K/32, N]
-        nvfp4         ``{proj}``: uint8 [E, K/2, N] (two E2M1 along K); ``{proj}_weight_scale``:
-                      e4m3 [E, K/16, N]; ``{proj}_weight_scale_2``: f32 [E];
+        fp8_block     ``{proj}``: e4m3 [E, N, K]; ``{proj}_weight_scale_inv``: f32 [E, ceil(N/bn), ceil(K/bk)]
+        mxfp8         ``{proj}``: e4m3 [E, N, K]; ``{proj}_weight_scale``: uint8 E8M0 [E, N, K/32]
+        nvfp4         ``{proj}``: uint8 [E, N, K/2] (two E2M1 along K); ``{proj}_weight_scale``:
+                      e4m3 [E, N, K/16]; ``{proj}_weight_scale_2``: f32 [E];
                       ``{proj}_input_scale`` f32 [E] when the checkpoint has it (unused: W4A16)
         ============  ==========================================================================
 
@@ -140,16 +171,17 @@ class Experts(nnx.Module):
 
         var = getattr(self, proj)
         e, k, n = var.shape
-        axes = tuple(var.get_metadata()["axes"])                       # (None, in-axis, out-axis)
+        lead, k_axis, n_axis = var.get_metadata()["axes"]               # float layout (None, in, out)
+        axes = (lead, n_axis, k_axis)                                    # checkpoint orientation [E, N, K']
         try:
             specs = quant_tensor_specs(method, n, k, block, optional)
             _check_expert_tp(method, k, n, axes, mesh, block)
         except QuantLayoutError as err:
             raise QuantLayoutError(f"{name or 'experts'}.{proj}: {err}") from None
         for suffix, (shape, dtype, sharded) in specs.items():
-            stacked = (e, *reversed(shape))                               # [N, k'] -> [E, k', N]; [] -> [E]
-            param = nnx.Param(jnp.zeros(stacked, dtype), axes=axes if sharded else (None,),
-                              quant_dtype=jnp.dtype(dtype).name, hf_experts=(proj, e, suffix), indexed_in_scan=True)
+            param = nnx.Param(jnp.zeros((e, *shape), dtype), axes=axes if sharded else (None,),
+                              quant_dtype=jnp.dtype(dtype).name, hf_experts=(proj, e, suffix), hf_orientation=True,
+                              indexed_in_scan=True)
             setattr(self, proj if suffix == "weight" else f"{proj}_{suffix}", param)
         quant = list(self.quant)
         quant[self.PROJS.index(proj)] = method
@@ -164,45 +196,49 @@ class Experts(nnx.Module):
 
 
 def _check_expert_tp(method, k, n, axes, mesh, block) -> None:
-    """Each tensor-parallel shard must hold whole scale blocks of the stacked [E, K, N] layout."""
+    """Each tensor-parallel shard must hold whole scale blocks of the stacked [E, N, K'] layout
+    (and, for the grouped kernel, whole 64-row weight tiles: checked where it is chosen)."""
     from kk_jax.models.layers.linear import QuantLayoutError
 
     if mesh is None or TP not in mesh.shape or mesh.shape[TP] == 1:
         return
     tp = mesh.shape[TP]
     parts = tuple(spec(axes))
-    units = {"fp8_block": (block[1], block[0]), "mxfp8": (32, 1), "nvfp4": (16, 1)}[method]
-    for dim, size, unit in ((1, k, units[0]), (2, n, units[1])):
+    units = {"fp8_block": (block[0], block[1]), "mxfp8": (1, 32), "nvfp4": (1, 16)}[method]    # (N, K)
+    for dim, size, unit in ((1, n, units[0]), (2, k, units[1])):
         if parts[dim] != TP:
             continue
         if size % tp or (size // tp) % unit:
-            raise QuantLayoutError(f"tp={tp} splits the {'input' if dim == 1 else 'output'} dimension {size} into "
+            raise QuantLayoutError(f"tp={tp} splits the {'output' if dim == 1 else 'input'} dimension {size} into "
                                    f"shards of {size // tp}, not a multiple of the {method} scale block ({unit})")
 
 
 def dequantize_stacked(method: str | None, ops: tuple, block=(128, 128), dtype=jnp.float32) -> jax.Array:
-    """Stacked expert operands in the ``[E, K, N]`` layout (see :class:`Experts`) -> ``[E, K, N]``
-    ``dtype``. The arithmetic is that of ``kk_jax.quant.*.dequantize`` (f32 products, one rounding
-    each), so float32 results equal the per-expert 2-D dequantization bit for bit."""
+    """Stacked expert operands in the :class:`Experts` layout (quantized: ``[E, N, K']``; float:
+    ``[E, K, N]`` as is) -> ``[E, K, N]`` ``dtype``, the right-hand side of the grouped dot. Each
+    expert goes through ``kk_jax.quant.<method>.dequantize`` (f32 products, one rounding), so
+    float32 results equal the per-expert 2-D dequantization bit for bit."""
     if method is None:
         return ops[0]
-    w = ops[0]
     if method == "fp8_block":
-        s = ops[1]
-        k, n = w.shape[1], w.shape[2]
-        full = jnp.repeat(jnp.repeat(s.astype(jnp.float32), block[1], axis=1), block[0], axis=2)[:, :k, :n]
-        return (w.astype(jnp.float32) * full).astype(dtype)
-    if method == "mxfp8":
-        full = jnp.repeat(mxfp8.scale_values(ops[1]), mxfp8.BLOCK, axis=1)
-        return (w.astype(jnp.float32) * full).astype(dtype)
-    if method == "nvfp4":
-        scale, scale_2 = ops[1], ops[2]
-        e, half, n = w.shape
-        lo, hi = w & 0x0F, w >> 4
-        codes = jnp.stack([lo, hi], axis=2).reshape(e, half * 2, n)           # element 2i low, 2i+1 high
-        s = scale.astype(jnp.float32) * scale_2.astype(jnp.float32)[:, None, None]
-        return (nvfp4.e2m1_values(codes) * jnp.repeat(s, nvfp4.BLOCK, axis=1)).astype(dtype)
-    raise ValueError(f"unknown expert quantization {method!r}")
+        f = lambda w, s: fp8_block.dequantize(w, s, block, dtype)
+    elif method == "mxfp8":
+        f = lambda w, s: mxfp8.dequantize(w, s, dtype)
+    elif method == "nvfp4":
+        f = lambda w, s, s2: nvfp4.dequantize(w, s, s2, dtype)
+    else:
+        raise ValueError(f"unknown expert quantization {method!r}")
+    return jnp.swapaxes(jax.vmap(f)(*ops), 1, 2)
+
+
+def kernel_takes(methods, block, projs) -> bool:
+    """Whether ``pallas_kernels.moe_quant`` runs these expert projections (local shapes
+    ``projs``): all three quantized, 128x128 blocks for block FP8, whole 64-row (block FP8:
+    128-row) weight tiles per expert."""
+    if not all(methods) or (("fp8_block" in methods) and tuple(block) != (128, 128)):
+        return False
+    rows = lambda m: 128 if m == "fp8_block" else 64
+    return all(ops[0].shape[-2] % rows(m) == 0 for m, ops in zip(methods, projs))
 
 
 def prepare_experts(model: nnx.Module, model_dir=None, *, mesh=None) -> nnx.Module:
@@ -264,15 +300,18 @@ class MoE(nnx.Module):
 
         ex = self.experts
         methods, block = ex.quant, ex.block
-
-        compact = any(methods) and idx.size < ex.num_experts       # decode: dequantize routed experts only
-
         stacked = stack_index is not None
         layer = jnp.asarray(stack_index if stacked else 0, jnp.int32)
 
         def shard(flat, idx, w, layer, gate, up, down):
             projs = (gate, up, down)
-            if compact:
+            if backend == "pallas" and kernel_takes(methods, block, projs):
+                if stacked:         # [L, E, ...] -> [L·E, ...]: the kernel offsets to this layer's experts
+                    projs = tuple(tuple(o.reshape(-1, *o.shape[2:]) for o in ops) for ops in projs)
+                y = quantized_experts(flat, idx, w, methods, projs, self.limit, ex.num_experts,
+                                      layer * ex.num_experts)
+                return jax.lax.psum(y, TP)
+            if any(methods) and idx.size < ex.num_experts:     # decode: dequantize the routed experts only
                 idx, ids = routed_subset(idx, ex.num_experts)
                 projs = tuple(tuple((o[layer, ids] if stacked else o[ids]) for o in ops) for ops in projs)
             elif stacked:
@@ -281,10 +320,13 @@ class MoE(nnx.Module):
             return jax.lax.psum(grouped_experts(flat, idx, w, gate, up, down, self.limit, backend), TP)
 
         lead = (None,) * (1 + stacked)                      # the expert axis, and the layer axis when stacked
-        col, row = P(*lead, None, TP), P(*lead, TP, None)
+        mid, last = P(*lead, TP, None), P(*lead, None, TP)
+        # the intermediate width is sharded: N of gate/up, K of down; on the minor axis of the
+        # float [E, K, N] layout for gate/up, on the middle one of the quantized [E, N, K'] layout
+        sharded = {None: (last, last, mid), "quantized": (mid, mid, last)}
         ops = tuple(ex.operands(p) for p in Experts.PROJS)
-        specs = tuple(tuple(sp if o.ndim == len(lead) + 2 else P() for o in proj_ops)
-                      for sp, proj_ops in zip((col, col, row), ops))
-        routed = jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(), P()) + specs, out_specs=P(),
+        specs = tuple(tuple(sharded["quantized" if m else None][i] if o.ndim == len(lead) + 2 else P() for o in proj_ops)
+                      for i, (m, proj_ops) in enumerate(zip(methods, ops)))
+        routed = jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(), P()) + tuple(specs), out_specs=P(),
                                check_vma=False)(flat, idx, w, layer, *ops)
         return (routed.reshape(b, t, d) + self.shared_experts(x).astype(jnp.float32)).astype(x.dtype)
