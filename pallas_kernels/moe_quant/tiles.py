@@ -30,23 +30,32 @@ def num_tiles(pairs: int, experts: int, bm: int) -> int:
     return -(-pairs // bm) + min(experts, pairs)
 
 
+# Below this many token-slots the ranks come from one [P, P] comparison (a single fused kernel)
+# instead of a sort: decode-sized routing stays a handful of small kernels.
+PAIRWISE_MAX = 2048
+
+
 def route_tiles(idx: jax.Array, num_experts: int, bm: int) -> Tiles:
     """idx [N, k] int32 expert ids -> :class:`Tiles` (slots of one expert in routing order)."""
     flat = idx.reshape(-1).astype(jnp.int32)
     p = flat.shape[0]
     t = num_tiles(p, num_experts, bm)
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)          # slots per expert
+    slots = jnp.arange(p, dtype=jnp.int32)
+    if p <= PAIRWISE_MAX:
+        same = flat[None, :] == flat[:, None]                                 # [P, P]
+        rank = jnp.sum(same & (slots[None, :] < slots[:, None]), axis=1, dtype=jnp.int32)
+        sizes = jnp.sum(flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32)[None, :], axis=0, dtype=jnp.int32)
+    else:
+        sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+        order = jnp.argsort(flat, stable=True)                               # slots grouped by expert
+        slot_start = jnp.cumsum(sizes) - sizes
+        rank = jnp.zeros((p,), jnp.int32).at[order].set(slots - slot_start[flat[order]])
     ntiles = (sizes + bm - 1) // bm
     tile_end = jnp.cumsum(ntiles)                                             # [E]
-    tile_start = tile_end - ntiles
-    slot_start = jnp.cumsum(sizes) - sizes
-    order = jnp.argsort(flat, stable=True)                                   # slots grouped by expert
-    rank = jnp.arange(p, dtype=jnp.int32) - slot_start[flat[order]]          # position within its expert
-    row_sorted = (tile_start[flat[order]] * bm + rank).astype(jnp.int32)
-    row_of_pair = jnp.zeros((p,), jnp.int32).at[order].set(row_sorted)
-    slot_of_row = jnp.full((t * bm,), -1, jnp.int32).at[row_sorted].set(order.astype(jnp.int32))
+    row_of_pair = ((tile_end - ntiles)[flat] * bm + rank).astype(jnp.int32)  # position within its expert
+    slot_of_row = jnp.full((t * bm,), -1, jnp.int32).at[row_of_pair].set(slots)
     tid = jnp.arange(t, dtype=jnp.int32)
-    expert = jnp.searchsorted(tile_end, tid, side="right").astype(jnp.int32)
+    expert = jnp.sum(tile_end[None, :] <= tid[:, None], axis=1, dtype=jnp.int32)
     tile_expert = jnp.where(tid < tile_end[-1], expert, -1)
     return Tiles(tile_expert, slot_of_row, row_of_pair)
 

@@ -15,6 +15,7 @@ import quant_oracle as orc  # noqa: E402
 
 from kk_jax.quant import fp8_block, mxfp8, nvfp4  # noqa: E402
 from pallas_kernels.moe_quant import gather_rows, grouped_matmul, route_tiles  # noqa: E402
+from pallas_kernels.moe_quant import tiles as tiles_mod  # noqa: E402
 
 
 def experts(fmt, e, n, k, seed=0):
@@ -44,7 +45,9 @@ def oracle(x, idx, dense):
     return np.stack([orc.matmul(x[t:t + 1], dense[e])[0] for t, e in zip(tok, idx.reshape(-1))])
 
 
-def test_route_tiles_cover_every_slot_once():
+@pytest.mark.parametrize("pairwise_max", [2048, 0])          # ranks by comparison / by sort
+def test_route_tiles_cover_every_slot_once(monkeypatch, pairwise_max):
+    monkeypatch.setattr(tiles_mod, "PAIRWISE_MAX", pairwise_max)
     idx = jnp.asarray([[3, 1], [1, 0], [1, 3], [2, 1]], jnp.int32)
     t = route_tiles(idx, num_experts=5, bm=2)
     te, sor, rop = map(np.asarray, t)
@@ -56,6 +59,8 @@ def test_route_tiles_cover_every_slot_once():
         assert sor[r] == p and te[r // 2] == flat[p]
     # expert 1 has 4 slots -> 2 tiles; 0, 2, 3 one each; unused tiles are -1 at the end
     assert te.tolist() == [0, 1, 1, 2, 3, -1, -1, -1, -1]
+    # slots of one expert keep routing order: expert 1's slots 1, 2, 4, 7 fill its two tiles
+    assert sor[2:6].tolist() == [1, 2, 4, 7]
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "fp8_block"])

@@ -108,8 +108,7 @@ def quantized_experts(x, idx, w, methods, projs, limit: float, num_experts: int,
     g, u = mm(rows, methods[0], projs[0]), mm(rows, methods[1], projs[1])
     h = jax.nn.silu(jnp.minimum(g, limit)) * jnp.clip(u, -limit, limit)
     y = mm(h.astype(x.dtype), methods[2], projs[2])[tiles.row_of_pair]          # [N·k, D], slot order
-    y = y * w.reshape(-1)[:, None]
-    return jnp.zeros((n, x.shape[-1]), jnp.float32).at[jnp.arange(n * k) // k].add(y)
+    return jnp.sum(y.reshape(n, k, -1) * w[..., None], axis=1)
 
 
 class Router(nnx.Module):
