@@ -191,8 +191,10 @@ def run_moe(interpret, reps, log, experts=288, k=4096, n=2048, top=8, token_coun
     w = (0.02 * jax.random.normal(key, (experts, n, k), jnp.float32)).astype(jnp.bfloat16)     # HF [E, N, K]
     w_t = jnp.swapaxes(w, 1, 2)                                                # [E, K, N] for ragged_dot
     impl = None if not interpret else "xla"
-    quant = {fmt: tuple(jax.jit(jax.vmap(mod.quantize))(w)) for fmt, mod in
-             (("fp8_block", q_fp8), ("mxfp8", q_mx), ("nvfp4", q_nv))}
+    quant = {}                  # per format, the operands in the engine's stacked layout (moe.Experts)
+    for fmt, mod in (("fp8_block", q_fp8), ("mxfp8", q_mx), ("nvfp4", q_nv)):
+        ops = jax.jit(jax.vmap(mod.quantize))(w)
+        quant[fmt] = tuple(jnp.swapaxes(o, 1, 2) if i == 1 and fmt != "fp8_block" else o for i, o in enumerate(ops))
     per_expert = {"bf16": n * k * 2, **{f: nbytes(ops) // experts for f, ops in quant.items()}}
 
     def ragged(x, idx, rhs):

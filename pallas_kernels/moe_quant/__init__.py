@@ -10,10 +10,12 @@ tile (:func:`route_tiles`); tile t is multiplied by expert ``tile_expert[t]``'s 
 unused tiles (``-1``) are skipped. Every expert a call routes to is read once per tile, from
 its quantized bytes: decode at batch 1 reads k experts, never the whole layer.
 
-Operands, E experts stacked in the checkpoint's ``[out, in]`` orientation (``fmt``):
+Operands, E experts stacked, weights in the checkpoint's ``[out, in]`` orientation and the
+per-block scales of MXFP8 / NVFP4 transposed (``[in / block, out]``: one K block's scales for
+64 consecutive rows are contiguous, which the kernel loads every K step):
 
-  nvfp4      w uint8 [E, N, K/2]; scales (weight_scale e4m3 [E, N, K/16], weight_scale_2 f32 [E])
-  mxfp8      w e4m3  [E, N, K];   scales (weight_scale uint8 E8M0 [E, N, K/32],)
+  nvfp4      w uint8 [E, N, K/2]; scales (weight_scale e4m3 [E, K/16, N], weight_scale_2 f32 [E])
+  mxfp8      w e4m3  [E, N, K];   scales (weight_scale uint8 E8M0 [E, K/32, N],)
   fp8_block  w e4m3  [E, N, K];   scales (weight_scale_inv f32 [E, N/128, K/128],)  (128x128 blocks)
 
 returns [T·bm, N] ``out_dtype`` (fp32 accumulation); rows of skipped tiles are unspecified

@@ -29,8 +29,10 @@ def grouped_matmul_kernel(x_rows, tile_expert, fmt, w, *scales, expert_offset=0,
     p = wd.plan(bm, n, k, fmt, bm=bm, row_tiles=t, **plan_overrides)
     x2 = x_rows.astype(jnp.bfloat16)
     xs = (x2[:, 0::2], x2[:, 1::2]) if fmt == "nvfp4" else (x2,)
-    flat = lambda a: a.reshape(-1, *a.shape[2:]) if a.ndim > 1 else a
+    # experts stacked along N: the weight and block FP8's scales; mxfp8 / nvfp4 scales stay [E, K/b, N]
+    flat = lambda a: a.reshape(-1, *a.shape[2:])
+    scales = (flat(scales[0]),) if fmt == "fp8_block" else scales
     te = jnp.where(tile_expert >= 0, tile_expert + jnp.asarray(expert_offset, jnp.int32), -1).astype(jnp.int32)
-    y = wd.wdequant_matmul(xs, flat(w), tuple(flat(s) for s in scales), fmt=fmt, p=p, out_dtype=out_dtype,
+    y = wd.wdequant_matmul(xs, flat(w), scales, fmt=fmt, p=p, out_dtype=out_dtype,
                            tile_expert=te, expert_n=n, interpret=interpret)
     return wd.finish(y, p, x_rows.shape[0], n, out_dtype)

@@ -176,9 +176,12 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
 
     Grouped form (MoE experts), ``tile_expert`` int32 [Mp / bm]: row tile t of x is multiplied
     by expert ``tile_expert[t]`` (< 0: the tile is skipped and its output rows are left
-    unwritten). The weight operands then hold E experts of ``expert_n`` rows each stacked
-    along N (``w`` [E·N, ...], the scales likewise, fp8_block's [E·N/128, K/128] with
-    N % 128 == 0, nvfp4's ``weight_scale_2`` [E]) and the result has N = ``expert_n`` columns.
+    unwritten). The weight then holds E experts of ``expert_n`` rows each stacked along N
+    (``w`` [E·N, ...]; fp8_block's scales likewise, [E·N/128, K/128] with N % 128 == 0), the
+    per-block scales of mxfp8 / nvfp4 are transposed per expert, ``[E, K/32 or K/16, N]`` (a
+    step's scale vector for 64 rows is then 64 contiguous bytes: on the H200 this made the
+    decode kernels 1.13-1.22x faster than strided loads from the checkpoint's ``[N, K/b]``),
+    nvfp4's ``weight_scale_2`` is [E], and the result has N = ``expert_n`` columns.
     """
     mp = xs[0].shape[0]
     grouped = tile_expert is not None
@@ -227,18 +230,19 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
         wb = e * (n // BN) + nb                      # weight row block
         rows = pl.ds(wb * BN, BN)
 
+        def scale_vector(col):
+            """The 64 rows' scales of per-block scale column ``col`` (mxfp8 / nvfp4), ROW layout."""
+            ref = s_gmem[0].at[e, col, pl.ds(nb * BN, BN)] if grouped else s_gmem[0].at[rows, col]
+            return plgpu.load(ref, layout=ROW, optimized=False)
+
         def tile():
             def step_scales(kk):
                 """Per-row scale vectors (ROW layout) of K step kk, as the dequant multipliers."""
                 if fmt == "mxfp8":
-                    return tuple(_e8m0_to_bf16(plgpu.load(s_gmem[0].at[rows, (k0 + kk) * groups + j],
-                                                          layout=ROW, optimized=False))
-                                 for j in range(groups))
+                    return tuple(_e8m0_to_bf16(scale_vector((k0 + kk) * groups + j)) for j in range(groups))
                 if fmt == "nvfp4":       # four 16-element blocks per 32-byte group; 2^14 folded in
-                    return tuple(
-                        (_e4m3_to_f32(plgpu.load(s_gmem[0].at[rows, (k0 + kk) * 4 * groups + i],
-                                                 layout=ROW, optimized=False)) * 16384.0).astype(bf16)
-                        for i in range(4 * groups))
+                    return tuple((_e4m3_to_f32(scale_vector((k0 + kk) * 4 * groups + i)) * 16384.0).astype(bf16)
+                                 for i in range(4 * groups))
                 return ()
 
             def dequant(w_smem, buf, sc, kk):

@@ -118,9 +118,10 @@ def test_quantized_experts_kernel_path_matches_the_dequantized_grouped_dot(fmt, 
     idx = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(n)]), jnp.int32)
     wt = jnp.asarray(rng.random((n, k)), jnp.float32)
 
-    def stacked(n_out, n_in):          # [layers·E, N, K'] operands of per-expert HF [N, K] weights
+    def stacked(n_out, n_in):          # [layers·E, ...] operands of per-expert HF [N, K] weights (Experts layout)
         ops = [quantize(rng.standard_normal((n_out, n_in)) * 0.3) for _ in range(layers * e)]
-        return tuple(jnp.stack([jnp.asarray(o[j]) for o in ops]) for j in range(len(ops[0])))
+        ops = [jnp.stack([jnp.asarray(o[j]) for o in ops]) for j in range(len(ops[0]))]
+        return (ops[0], jnp.swapaxes(ops[1], 1, 2), *ops[2:])                 # block scales [E, K/b, N]
 
     projs = (stacked(i, d), stacked(i, d), stacked(d, i))
     got = quantized_experts(x, idx, wt, (fmt,) * 3, projs, limit, e, expert_offset=jnp.int32(e), interpret=True)

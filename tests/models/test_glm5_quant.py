@@ -151,8 +151,8 @@ def test_release_fp8_runs_close_to_its_dequantized_copy(quantized, tmp_path):
 
 @pytest.mark.parametrize("algo,codes,scale", [
     ("fp8_block", (jnp.float8_e4m3fn, (8, 32, 64)), ("gate_proj_weight_scale_inv", jnp.float32, (8, 1, 1))),
-    ("mxfp8", (jnp.float8_e4m3fn, (8, 32, 64)), ("gate_proj_weight_scale", jnp.uint8, (8, 32, 2))),
-    ("nvfp4", (jnp.uint8, (8, 32, 32)), ("gate_proj_weight_scale", jnp.float8_e4m3fn, (8, 32, 4))),
+    ("mxfp8", (jnp.float8_e4m3fn, (8, 32, 64)), ("gate_proj_weight_scale", jnp.uint8, (8, 2, 32))),
+    ("nvfp4", (jnp.uint8, (8, 32, 32)), ("gate_proj_weight_scale", jnp.float8_e4m3fn, (8, 4, 32))),
 ])
 def test_quantized_experts_equal_their_dequantized_copy(quantized, tmp_path, algo, codes, scale):
     tokens, logits, w = run(quantized[algo])
@@ -208,7 +208,7 @@ def test_nvfp4_experts_tensor_parallel_match_tp1(quantized):
     tokens, logits, w = run(quantized["nvfp4"], tp=2)
     experts = "model.language_model.layers.3.mlp.experts"      # layers 1-2 run stacked (scanned)
     assert w[f"{experts}.down_proj"].sharding.shard_shape(w[f"{experts}.down_proj"].shape) == (8, 64, 8)
-    assert w[f"{experts}.gate_proj_weight_scale"].sharding.shard_shape((8, 32, 4)) == (8, 16, 4)
+    assert w[f"{experts}.gate_proj_weight_scale"].sharding.shard_shape((8, 4, 32)) == (8, 4, 16)
     want_tokens, want_logits, _ = run(quantized["nvfp4"])
     assert tokens == want_tokens
     np.testing.assert_allclose(logits, want_logits, rtol=0, atol=1e-4 * np.abs(want_logits).max())

@@ -19,7 +19,7 @@ from pallas_kernels.moe_quant import tiles as tiles_mod  # noqa: E402
 
 
 def experts(fmt, e, n, k, seed=0):
-    """(stacked operands, NumPy dequantized [E, N, K] float64). nvfp4 and mxfp8 weights are exact
+    """(stacked operands in the kernel's layout, NumPy dequantized [E, N, K] float64). nvfp4 and mxfp8 weights are exact
     in bf16; block FP8's are rounded to bf16 once, as the W8A16 kernels do."""
     rng = np.random.default_rng(seed)
     ops, dense = [], []
@@ -35,8 +35,10 @@ def experts(fmt, e, n, k, seed=0):
             q = fp8_block.quantize(w)
             dense.append(orc.bf16_round(orc.dequant_fp8_block(*q)))       # the kernel's bf16 weight (W8A16)
         ops.append(q)
-    stacked = tuple(jnp.stack([jnp.asarray(o[i]).reshape(jnp.shape(o[i])) for o in ops]) for i in range(len(ops[0])))
-    return stacked, np.stack(dense)
+    stacked = [jnp.stack([jnp.asarray(o[i]) for o in ops]) for i in range(len(ops[0]))]
+    if fmt != "fp8_block":                      # per-block scales transposed: [E, K/b, N]
+        stacked[1] = jnp.swapaxes(stacked[1], 1, 2)
+    return tuple(stacked), np.stack(dense)
 
 
 def oracle(x, idx, dense):
@@ -118,7 +120,7 @@ def test_bad_operands_are_named():
     with pytest.raises(ValueError, match="do not stack the 2 experts"):
         grouped_matmul(x, te, "nvfp4", ops[0], ops[1][:1], ops[2], backend="xla")
     with pytest.raises(ValueError, match="w_scale has shape"):
-        grouped_matmul(x, te, "nvfp4", ops[0], ops[1][:, :, :2], ops[2], backend="pallas")
+        grouped_matmul(x, te, "nvfp4", ops[0], ops[1][:, :2], ops[2], backend="pallas")
 
 
 @pytest.mark.parametrize("rows", [9 * 8, 352 * 8])
@@ -127,7 +129,7 @@ def test_lowers_for_hopper(rows):
     f = lambda x, te, w, s, s2: grouped_matmul(x, te, "nvfp4", w, s, s2)
     jax.jit(f).trace(jax.ShapeDtypeStruct((rows, k), jnp.bfloat16), jax.ShapeDtypeStruct((rows // 8,), jnp.int32),
                      jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8),
-                     jax.ShapeDtypeStruct((e, n, k // 16), jnp.float8_e4m3fn),
+                     jax.ShapeDtypeStruct((e, k // 16, n), jnp.float8_e4m3fn),
                      jax.ShapeDtypeStruct((e,), jnp.float32)).lower(lowering_platforms=("cuda",))
 
 

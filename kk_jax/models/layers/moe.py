@@ -34,6 +34,11 @@ from kk_jax.parallel.mesh import TP, spec
 from kk_jax.quant import fp8_block, mxfp8, nvfp4
 
 
+# Stacked expert tensors held transposed ([in / block, out]) like float experts; the codes and block
+# FP8's tile scales keep the checkpoint's [out, in] (see Experts).
+TRANSPOSED_SCALES = ("weight_scale",)
+
+
 def route(x: jax.Array, weight: jax.Array, bias: jax.Array, k: int, scaling: float, renorm: bool):
     """x [N, D] -> (expert ids [N, k] int32, weights [N, k] f32)."""
     s = jax.nn.sigmoid(jnp.einsum("nd,ed->ne", x.astype(jnp.float32), weight.astype(jnp.float32),
@@ -123,17 +128,19 @@ class Experts(nnx.Module):
     metadata ``(name, E)`` tells the runner to stack and transpose them at load.
 
     Quantized experts (:meth:`quantize_`, applied by :func:`prepare_experts` before loading)
-    keep the checkpoint's codes and scales on the device, stacked per layer in the checkpoint's
+    keep the checkpoint's codes and scales on the device, stacked per layer in the layout the
+    grouped dequantizing kernel streams (``pallas_kernels.moe_quant``): codes in the checkpoint's
     own ``[out, in]`` orientation (``hf_orientation`` metadata: the loader stacks them without
-    transposing), which is the layout the grouped dequantizing kernel streams:
+    transposing), MXFP8 / NVFP4 block scales transposed like float experts (``[in / block, out]``,
+    contiguous per K block):
 
         ============  ==========================================================================
         method        stacked tensors of one projection (per-expert HF tensor -> stacked param)
         ============  ==========================================================================
         fp8_block     ``{proj}``: e4m3 [E, N, K]; ``{proj}_weight_scale_inv``: f32 [E, ceil(N/bn), ceil(K/bk)]
-        mxfp8         ``{proj}``: e4m3 [E, N, K]; ``{proj}_weight_scale``: uint8 E8M0 [E, N, K/32]
+        mxfp8         ``{proj}``: e4m3 [E, N, K]; ``{proj}_weight_scale``: uint8 E8M0 [E, K/32, N]
         nvfp4         ``{proj}``: uint8 [E, N, K/2] (two E2M1 along K); ``{proj}_weight_scale``:
-                      e4m3 [E, N, K/16]; ``{proj}_weight_scale_2``: f32 [E];
+                      e4m3 [E, K/16, N]; ``{proj}_weight_scale_2``: f32 [E];
                       ``{proj}_input_scale`` f32 [E] when the checkpoint has it (unused: W4A16)
         ============  ==========================================================================
 
@@ -178,9 +185,11 @@ class Experts(nnx.Module):
         except QuantLayoutError as err:
             raise QuantLayoutError(f"{name or 'experts'}.{proj}: {err}") from None
         for suffix, (shape, dtype, sharded) in specs.items():
-            param = nnx.Param(jnp.zeros((e, *shape), dtype), axes=axes if sharded else (None,),
-                              quant_dtype=jnp.dtype(dtype).name, hf_experts=(proj, e, suffix), hf_orientation=True,
-                              indexed_in_scan=True)
+            transposed = suffix in TRANSPOSED_SCALES                         # [N, K/b] -> [K/b, N]
+            param = nnx.Param(jnp.zeros((e, *(reversed(shape) if transposed else shape)), dtype),
+                              axes=(lead, k_axis, n_axis) if transposed else axes if sharded else (None,),
+                              quant_dtype=jnp.dtype(dtype).name, hf_experts=(proj, e, suffix),
+                              hf_orientation=not transposed, indexed_in_scan=True)
             setattr(self, proj if suffix == "weight" else f"{proj}_{suffix}", param)
         quant = list(self.quant)
         quant[self.PROJS.index(proj)] = method
@@ -188,10 +197,13 @@ class Experts(nnx.Module):
 
     def operands(self, proj: str) -> tuple:
         """The stacked arrays the grouped matmul needs for ``proj`` (weight first)."""
+        return tuple(getattr(self, proj if s == "weight" else f"{proj}_{s}")[...] for s in self.suffixes(proj))
+
+    def suffixes(self, proj: str) -> tuple:
+        """Checkpoint suffixes of :meth:`operands` (``weight`` first)."""
         method = self.quant[self.PROJS.index(proj)]
-        extra = {None: (), "fp8_block": ("weight_scale_inv",), "mxfp8": ("weight_scale",),
-                 "nvfp4": ("weight_scale", "weight_scale_2")}[method]
-        return (getattr(self, proj)[...],) + tuple(getattr(self, f"{proj}_{s}")[...] for s in extra)
+        return ("weight",) + {None: (), "fp8_block": ("weight_scale_inv",), "mxfp8": ("weight_scale",),
+                              "nvfp4": ("weight_scale", "weight_scale_2")}[method]
 
 
 def _check_expert_tp(method, k, n, axes, mesh, block) -> None:
@@ -213,7 +225,7 @@ def _check_expert_tp(method, k, n, axes, mesh, block) -> None:
 
 
 def dequantize_stacked(method: str | None, ops: tuple, block=(128, 128), dtype=jnp.float32) -> jax.Array:
-    """Stacked expert operands in the :class:`Experts` layout (quantized: ``[E, N, K']``; float:
+    """Stacked expert operands in the :class:`Experts` layout (quantized: codes ``[E, N, K']``; float:
     ``[E, K, N]`` as is) -> ``[E, K, N]`` ``dtype``, the right-hand side of the grouped dot. Each
     expert goes through ``kk_jax.quant.<method>.dequantize`` (f32 products, one rounding), so
     float32 results equal the per-expert 2-D dequantization bit for bit."""
@@ -222,9 +234,9 @@ def dequantize_stacked(method: str | None, ops: tuple, block=(128, 128), dtype=j
     if method == "fp8_block":
         f = lambda w, s: fp8_block.dequantize(w, s, block, dtype)
     elif method == "mxfp8":
-        f = lambda w, s: mxfp8.dequantize(w, s, dtype)
+        f = lambda w, s: mxfp8.dequantize(w, s.T, dtype)
     elif method == "nvfp4":
-        f = lambda w, s, s2: nvfp4.dequantize(w, s, s2, dtype)
+        f = lambda w, s, s2: nvfp4.dequantize(w, s.T, s2, dtype)
     else:
         raise ValueError(f"unknown expert quantization {method!r}")
     return jnp.swapaxes(jax.vmap(f)(*ops), 1, 2)
@@ -320,12 +332,18 @@ class MoE(nnx.Module):
 
         lead = (None,) * (1 + stacked)                      # the expert axis, and the layer axis when stacked
         mid, last = P(*lead, TP, None), P(*lead, None, TP)
-        # the intermediate width is sharded: N of gate/up, K of down; on the minor axis of the
-        # float [E, K, N] layout for gate/up, on the middle one of the quantized [E, N, K'] layout
-        sharded = {None: (last, last, mid), "quantized": (mid, mid, last)}
+        # the intermediate width is sharded: N of gate/up, K of down. It is the minor axis of gate/up
+        # in the [.., in, out] layouts (float experts, transposed scales) and the middle one in the
+        # [.., out, in] layouts (quantized codes, block FP8 tile scales); down the other way round.
+        def operand_spec(i, suffix, method, o):
+            if o.ndim != len(lead) + 2:
+                return P()
+            in_out = method is None or suffix in TRANSPOSED_SCALES
+            return ((last, mid) if in_out else (mid, last))[i == 2]
+
         ops = tuple(ex.operands(p) for p in Experts.PROJS)
-        specs = tuple(tuple(sharded["quantized" if m else None][i] if o.ndim == len(lead) + 2 else P() for o in proj_ops)
-                      for i, (m, proj_ops) in enumerate(zip(methods, ops)))
+        specs = tuple(tuple(operand_spec(i, sfx, m, o) for sfx, o in zip(ex.suffixes(p), proj_ops))
+                      for i, (p, m, proj_ops) in enumerate(zip(Experts.PROJS, methods, ops)))
         routed = jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(), P()) + tuple(specs), out_specs=P(),
                                check_vma=False)(flat, idx, w, layer, *ops)
         return (routed.reshape(b, t, d) + self.shared_experts(x).astype(jnp.float32)).astype(x.dtype)
