@@ -47,10 +47,11 @@ FORMATS = ("fp8_block", "mxfp8", "nvfp4")
 
 
 def quantize_sets(fmt, ws):
-    """Quantized operands (tuple per weight copy) on the device."""
+    """Quantized operands (tuple per weight copy) on the device, in the kernels' layout (MXFP8 /
+    NVFP4 block scales transposed)."""
     fns = {"fp8_block": lambda w: q_fp8.quantize(w), "mxfp8": lambda w: q_mx.quantize(w),
            "nvfp4": lambda w: q_nv.quantize(w)}
-    f = jax.jit(fns[fmt])
+    f = jax.jit(lambda w: tuple(o.T if i == 1 and fmt != "fp8_block" else o for i, o in enumerate(fns[fmt](w))))
     return [tuple(f(w)) for w in ws]
 
 

@@ -51,6 +51,8 @@ class TensorSpec(NamedTuple):
              axis 0; rows == 0 marks a per-tensor scalar that every source must hold with the
              same value
     shards   concatenate per shard: [src0 part s, src1 part s, ...] for s in range(shards)
+    transposed  the parameter is the (2-D) checkpoint tensor, or concatenation, transposed:
+             ``shape`` and ``axes`` are the parameter's, the checkpoint holds ``shape`` reversed
     """
 
     shape: tuple
@@ -58,6 +60,11 @@ class TensorSpec(NamedTuple):
     dtype: str | None = None
     sources: tuple = ()
     shards: int = 1
+    transposed: bool = False
+
+    def as_stored(self) -> "TensorSpec":
+        """The spec in the checkpoint's orientation."""
+        return self._replace(shape=tuple(reversed(self.shape)), transposed=False) if self.transposed else self
 
 
 def as_spec(value) -> TensorSpec:
@@ -74,7 +81,7 @@ def tensor_spec(var) -> TensorSpec:
     ``(shape, axes)`` meaning."""
     meta = var.get_metadata() if hasattr(var, "get_metadata") else {}
     return TensorSpec(tuple(var.shape), meta.get("axes"), meta.get("quant_dtype"),
-                      tuple(meta.get("sources") or ()), int(meta.get("shards", 1)))
+                      tuple(meta.get("sources") or ()), int(meta.get("shards", 1)), bool(meta.get("transposed")))
 
 
 def expected_tensors(flat_state) -> dict[str, TensorSpec]:
@@ -110,7 +117,7 @@ def validate(model_dir: Path, expected: dict, ignore: Sequence[str] = ()) -> dic
         raise CheckpointError(str(e)) from None
     problems, used = [], set()
     for name, value in expected.items():
-        spec = as_spec(value)
+        spec = as_spec(value).as_stored()
         if not spec.sources:
             used.add(name)
             info = found.get(name)
@@ -179,6 +186,9 @@ class Stack(NamedTuple):
 def _reader(name: str, spec: TensorSpec, found: dict, dtype):
     """Callback reading any device slice of expected tensor ``name`` (cast to ``dtype`` unless
     the spec requires an exact dtype)."""
+    if spec.transposed:
+        stored = _reader(name, spec.as_stored(), found, dtype)
+        return lambda idx: stored(tuple(reversed(idx))).T
     np_dtype = np.dtype(dtype) if spec.dtype is None else None
     cast = (lambda a: a.astype(np_dtype)) if np_dtype is not None else (lambda a: a)
     if spec.sources:

@@ -33,9 +33,9 @@ def validate(x_rows, tile_expert, fmt, w, *scales) -> None:
     if jnp.dtype(tile_expert.dtype) != jnp.dtype(jnp.int32):
         raise ValueError(f"tile_expert must be int32, got {tile_expert.dtype}")
     if fmt == "nvfp4":
-        nvfp4.validate(x_rows, w[0], scales[0][0].T, scales[1][0])
+        nvfp4.validate(x_rows, w[0], scales[0][0], scales[1][0])
     elif fmt == "mxfp8":
-        mxfp8.validate(x_rows, w[0], scales[0][0].T)
+        mxfp8.validate(x_rows, w[0], scales[0][0])
     else:
         fp8_block.validate(x_rows, w[0], scales[0][0])
 
@@ -43,9 +43,9 @@ def validate(x_rows, tile_expert, fmt, w, *scales) -> None:
 def dequantize_experts(fmt, w, *scales):
     """[E, N, K] bf16 (nvfp4 without ``weight_scale_2``)."""
     if fmt == "nvfp4":
-        return jax.vmap(nvfp4.dequantize_bf16)(w, jnp.swapaxes(scales[0], 1, 2))
+        return jax.vmap(nvfp4.dequantize_bf16)(w, scales[0])
     if fmt == "mxfp8":
-        return jax.vmap(mxfp8.dequantize_bf16)(w, jnp.swapaxes(scales[0], 1, 2))
+        return jax.vmap(mxfp8.dequantize_bf16)(w, scales[0])
     return jax.vmap(fp8_block.dequantize_bf16)(w, scales[0])
 
 

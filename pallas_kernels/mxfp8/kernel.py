@@ -20,6 +20,6 @@ def matmul_kernel(x, w_q, w_scale, *, out_dtype=None, interpret=False, **plan_ov
     p = wd.plan(m, np_, k, "mxfp8", **plan_overrides)
     xp = wd.pad_rows(x2, wd.round_up(m, p.bm))
     # Rows are padded per call only when N is not a multiple of 64 (never for real layers).
-    w, s = wd.pad_rows(w_q, np_), wd.pad_rows(w_scale, np_)
+    w, s = wd.pad_rows(w_q, np_), wd.pad_cols(w_scale, np_)
     y = wd.wdequant_matmul((xp,), w, (s,), fmt="mxfp8", p=p, out_dtype=out_dtype, interpret=interpret)
     return wd.finish(y, p, m, n, out_dtype).reshape(*lead, n)

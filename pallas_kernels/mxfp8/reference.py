@@ -24,16 +24,17 @@ def validate(x, w_q, w_scale) -> None:
         raise ValueError(f"w_scale must be uint8 (E8M0), got {w_scale.dtype}")
     if k % BLOCK:
         raise ValueError(f"MXFP8 K={k} is not a multiple of {BLOCK}")
-    if tuple(w_scale.shape) != (n, k // BLOCK):
-        raise ValueError(f"w_scale has shape {list(w_scale.shape)}, expected {[n, k // BLOCK]} for w_q {[n, k]}")
+    if tuple(w_scale.shape) != (k // BLOCK, n):
+        raise ValueError(f"w_scale has shape {list(w_scale.shape)}, expected {[k // BLOCK, n]} (transposed) for "
+                         f"w_q {[n, k]}")
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features but w_q has K={k}")
 
 
 def dequantize_bf16(w_q, w_scale):
-    """[N, K] bf16 weights, exact."""
+    """[N, K] bf16 weights, exact (``w_scale`` [K/32, N])."""
     n, k = w_q.shape
-    s = jnp.ldexp(jnp.float32(1.0), w_scale.astype(jnp.int32) - 127)          # [N, K/32]
+    s = jnp.ldexp(jnp.float32(1.0), w_scale.T.astype(jnp.int32) - 127)        # [N, K/32]
     w = w_q.astype(jnp.float32).reshape(n, k // BLOCK, BLOCK) * s[..., None]
     return w.reshape(n, k).astype(jnp.bfloat16)
 

@@ -170,18 +170,19 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
 
     xs      mxfp8/fp8_block: (x [Mp, K] bf16,);  nvfp4: (x_even, x_odd) each [Mp, K/2] bf16
     w       [N, K] e4m3 (mxfp8, fp8_block) or [N, K/2] uint8 (nvfp4)
-    scales  mxfp8: (weight_scale uint8 [N, K/32],); fp8_block: (weight_scale_inv f32 [N/128, K/128],);
-            nvfp4: (weight_scale e4m3 [N, K/16], weight_scale_2 f32 [1])
+    scales  mxfp8: (weight_scale uint8 [K/32, N],); fp8_block: (weight_scale_inv f32 [N/128, K/128],);
+            nvfp4: (weight_scale e4m3 [K/16, N], weight_scale_2 f32 [1]); the per-block scales of
+            mxfp8 / nvfp4 transposed from the checkpoint's [N, K/b] so that a step's scale vector
+            for 64 rows is 64 contiguous bytes (H200: decode kernels 1.13-1.22x faster than with
+            strided loads)
     returns [Mp, N] out_dtype (splits == 1) or [splits, Mp, N] f32 partials
 
     Grouped form (MoE experts), ``tile_expert`` int32 [Mp / bm]: row tile t of x is multiplied
     by expert ``tile_expert[t]`` (< 0: the tile is skipped and its output rows are left
     unwritten). The weight then holds E experts of ``expert_n`` rows each stacked along N
     (``w`` [E·N, ...]; fp8_block's scales likewise, [E·N/128, K/128] with N % 128 == 0), the
-    per-block scales of mxfp8 / nvfp4 are transposed per expert, ``[E, K/32 or K/16, N]`` (a
-    step's scale vector for 64 rows is then 64 contiguous bytes: on the H200 this made the
-    decode kernels 1.13-1.22x faster than strided loads from the checkpoint's ``[N, K/b]``),
-    nvfp4's ``weight_scale_2`` is [E], and the result has N = ``expert_n`` columns.
+    per-block scales of mxfp8 / nvfp4 are ``[E, K/32 or K/16, N]``, nvfp4's ``weight_scale_2``
+    is [E], and the result has N = ``expert_n`` columns.
     """
     mp = xs[0].shape[0]
     grouped = tile_expert is not None
@@ -232,7 +233,7 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
 
         def scale_vector(col):
             """The 64 rows' scales of per-block scale column ``col`` (mxfp8 / nvfp4), ROW layout."""
-            ref = s_gmem[0].at[e, col, pl.ds(nb * BN, BN)] if grouped else s_gmem[0].at[rows, col]
+            ref = s_gmem[0].at[e, col, pl.ds(nb * BN, BN)] if grouped else s_gmem[0].at[col, rows]
             return plgpu.load(ref, layout=ROW, optimized=False)
 
         def tile():

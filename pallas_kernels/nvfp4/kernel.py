@@ -26,7 +26,7 @@ def matmul_kernel(x, w_q, w_scale, w_scale_2, *, out_dtype=None, interpret=False
     x_even, x_odd = xp[:, 0::2], xp[:, 1::2]
     # N / K padding copies the weight: only for shapes no real layer has (N % 64, K % 64).
     w = wd.pad_cols(wd.pad_rows(w_q, np_), kp // 2)
-    s = wd.pad_cols(wd.pad_rows(w_scale, np_), kp // 16)
+    s = wd.pad_cols(wd.pad_rows(w_scale, kp // 16), np_)
     s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
     y = wd.wdequant_matmul((x_even, x_odd), w, (s, s2), fmt="nvfp4", p=p, out_dtype=out_dtype,
                            interpret=interpret)

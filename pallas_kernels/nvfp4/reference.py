@@ -27,8 +27,9 @@ def validate(x, w_q, w_scale, w_scale_2) -> None:
         raise ValueError(f"w_scale must be float8_e4m3fn, got {w_scale.dtype}")
     if k % BLOCK:
         raise ValueError(f"NVFP4 K={k} is not a multiple of {BLOCK}")
-    if tuple(w_scale.shape) != (n, k // BLOCK):
-        raise ValueError(f"w_scale has shape {list(w_scale.shape)}, expected {[n, k // BLOCK]} for K={k}")
+    if tuple(w_scale.shape) != (k // BLOCK, n):
+        raise ValueError(f"w_scale has shape {list(w_scale.shape)}, expected {[k // BLOCK, n]} (transposed) for "
+                         f"N={n}, K={k}")
     if jnp.size(w_scale_2) != 1:
         raise ValueError(f"w_scale_2 must hold one value, got shape {list(jnp.shape(w_scale_2))}")
     if x.shape[-1] != k:
@@ -36,11 +37,11 @@ def validate(x, w_q, w_scale, w_scale_2) -> None:
 
 
 def dequantize_bf16(w_q, w_scale):
-    """[N, K] bf16 of e2m1 * w_scale (exact; w_scale_2 not applied)."""
+    """[N, K] bf16 of e2m1 * w_scale (exact; w_scale [K/16, N]; w_scale_2 not applied)."""
     n, half = w_q.shape
     codes = jnp.stack([w_q & 0x0F, w_q >> 4], axis=-1).reshape(n, 2 * half)
     v = jnp.asarray(E2M1, jnp.float32)[codes.astype(jnp.int32)]
-    w = v.reshape(n, -1, BLOCK) * w_scale.astype(jnp.float32)[..., None]
+    w = v.reshape(n, -1, BLOCK) * w_scale.T.astype(jnp.float32)[..., None]
     return w.reshape(n, 2 * half).astype(jnp.bfloat16)
 
 

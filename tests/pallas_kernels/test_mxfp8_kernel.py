@@ -28,11 +28,11 @@ def make(m, n, k, seed=0):
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((n, k)) * np.exp2(rng.integers(-8, 9, (n, k // 32))).repeat(32, 1)
     wq, ws = q.quantize(w)
-    return jnp.asarray(x), wq, ws
+    return jnp.asarray(x), wq, ws.T                  # the kernels take the scales transposed [K/32, N]
 
 
 def oracle(x, wq, ws):
-    return orc.matmul(np.asarray(x), orc.dequant_mxfp8(wq, ws))
+    return orc.matmul(np.asarray(x), orc.dequant_mxfp8(wq, np.asarray(ws).T))
 
 
 @pytest.mark.parametrize("m,n,k", [(3, 64, 96), (1, 130, 256)])
@@ -64,10 +64,10 @@ def test_bf16_output_and_leading_dims():
 
 
 @pytest.mark.parametrize("bad,msg", [
-    (lambda wq, ws: (wq, ws[:, :-1]), r"w_scale has shape \[64, 3\], expected \[64, 4\]"),
+    (lambda wq, ws: (wq, ws[:-1]), r"w_scale has shape \[3, 64\], expected \[4, 64\] \(transposed\)"),
     (lambda wq, ws: (wq.astype(jnp.bfloat16), ws), "w_q must be float8_e4m3fn"),
     (lambda wq, ws: (wq, ws.astype(jnp.int8)), "w_scale must be uint8"),
-    (lambda wq, ws: (wq[:, :120], ws[:, :3]), "K=120 is not a multiple of 32"),
+    (lambda wq, ws: (wq[:, :120], ws[:3]), "K=120 is not a multiple of 32"),
 ])
 def test_bad_operands_are_named(bad, msg):
     x, wq, ws = make(2, 64, 128)
@@ -84,7 +84,7 @@ def test_lowers_for_hopper(m):
     n, k = 256, 4096
     f = lambda x, w, s: matmul(x, w, s)
     jax.jit(f).trace(jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
-                     jax.ShapeDtypeStruct((n, k // 32), jnp.uint8)).lower(lowering_platforms=("cuda",))
+                     jax.ShapeDtypeStruct((k // 32, n), jnp.uint8)).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.gpu

@@ -22,11 +22,11 @@ def make(m, n, k, seed=0):
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((n, k)) * np.exp2(rng.integers(-4, 5, (n, k // 16))).repeat(16, 1)
     wq, ws, s2 = q.quantize(w)
-    return jnp.asarray(x), wq, ws, s2
+    return jnp.asarray(x), wq, ws.T, s2              # the kernels take the scales transposed [K/16, N]
 
 
 def oracle(x, wq, ws, s2):
-    return orc.matmul(np.asarray(x), orc.dequant_nvfp4(wq, ws, s2))
+    return orc.matmul(np.asarray(x), orc.dequant_nvfp4(wq, orc.as_bytes(ws).T, s2))
 
 
 def test_reference_matches_oracle():
@@ -49,8 +49,8 @@ def test_kernel_matches_oracle(m, n, k, overrides):
 
 def test_bad_operands_are_named():
     x, wq, ws, s2 = make(2, 64, 128)
-    with pytest.raises(ValueError, match=r"w_scale has shape \[64, 7\], expected \[64, 8\]"):
-        matmul(x, wq, ws[:, :7], s2, backend="xla")
+    with pytest.raises(ValueError, match=r"w_scale has shape \[7, 64\], expected \[8, 64\] \(transposed\)"):
+        matmul(x, wq, ws[:7], s2, backend="xla")
     with pytest.raises(ValueError, match="w_q must be uint8"):
         matmul(x, wq.astype(jnp.int8), ws, s2, backend="pallas", interpret=True)
     with pytest.raises(ValueError, match="w_scale_2 must hold one value"):
@@ -62,7 +62,7 @@ def test_lowers_for_hopper(m):
     n, k = 256, 4096
     f = lambda x, w, s, s2: matmul(x, w, s, s2)
     jax.jit(f).trace(jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
-                     jax.ShapeDtypeStruct((n, k // 16), jnp.float8_e4m3fn),
+                     jax.ShapeDtypeStruct((k // 16, n), jnp.float8_e4m3fn),
                      jax.ShapeDtypeStruct((), jnp.float32)).lower(lowering_platforms=("cuda",))
 
 

@@ -39,7 +39,7 @@ def quantized_linear(method, n, k, axes, seed=0, **kw):
     lin = Linear(k, n, jnp.float32, axes=axes)
     lin.quantize_(method, **kw)
     for sfx, arr in zip(SUFFIXES[method], QUANTIZE[method](w)):
-        getattr(lin, sfx).value = arr
+        getattr(lin, sfx).value = arr.T if sfx == "weight_scale" else arr      # block scales held transposed
     return lin
 
 
@@ -80,10 +80,10 @@ def test_pallas_path_runs_per_shard_inside_shard_map(monkeypatch, axes, x_local,
     lin = quantized_linear("mxfp8", 64, 128, axes, seed=1, backend="pallas", mesh=mesh)
     for sfx in SUFFIXES["mxfp8"]:
         v = getattr(lin, sfx)
-        v.value = jax.device_put(v.value, NamedSharding(mesh, spec(axes)))
+        v.value = jax.device_put(v.value, NamedSharding(mesh, spec(v.get_metadata()["axes"])))
     x = jax.random.normal(jax.random.key(1), (4, 128), jnp.float32)
     y = jax.jit(lambda x: lin(x))(x)
-    assert seen and seen[0] == (x_local, w_local, (w_local[0], w_local[1] // 32))
+    assert seen and seen[0] == (x_local, w_local, (w_local[1] // 32, w_local[0]))
     want = qo.matmul(np.asarray(x), np.asarray(lin.dense_weight(jnp.float32)))
     assert rel_err(y, want) < 1e-5
 
@@ -111,7 +111,7 @@ def test_fused_members_load_per_shard_and_split(mxfp8_ckpt, tp):
     expected = expected_tensors(nnx.to_flat_state(state))
     assert expected["kv.weight"].sources == tuple((f"{m}.weight", 32) for m, _ in MEMBERS)
     params = load_params(mxfp8_ckpt, expected, jnp.float32, mesh, progress=False, ignore=("model.",))
-    assert params["kv.weight"].dtype == jnp.float8_e4m3fn and params["kv.weight_scale"].shape == (128, 2)
+    assert params["kv.weight"].dtype == jnp.float8_e4m3fn and params["kv.weight_scale"].shape == (2, 128)   # transposed
     nnx.replace_by_pure_dict(state, {"kv": {k.split(".")[1]: v for k, v in params.items()}})
     model = nnx.merge(graphdef, state)
     x = jax.random.normal(jax.random.key(2), (3, 64), jnp.float32)

@@ -121,10 +121,10 @@ def test_tensor_parallel_quantized_model(quantized):
     runner = llm.engine.runner
     weights = dict(zip([".".join(map(str, p)) for p, _ in nnx.to_flat_state(
         jax.tree.unflatten(runner.treedef, runner.weights))], runner.weights))
-    s = weights[f"{QKV_PROJ}.weight_scale"]                          # q|k|v [64 + 32 + 32, 2] split on rows
-    assert s.shape == (128, 2) and s.addressable_shards[0].data.shape == (64, 2)
+    s = weights[f"{QKV_PROJ}.weight_scale"]              # q|k|v [2, 64 + 32 + 32] (transposed), split on N
+    assert s.shape == (2, 128) and s.addressable_shards[0].data.shape == (2, 64)
     so = weights["model.layers.0.self_attn.o_proj.weight_scale"]             # row-parallel: K/32 split
-    assert so.addressable_shards[0].data.shape == (64, 1)
+    assert so.addressable_shards[0].data.shape == (1, 64)
     got = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0].token_ids
     cfg = json.loads((quantized["mxfp8"] / "config.json").read_text())
     assert got == oracle.greedy(cfg, host_dequantized(quantized["mxfp8"]), PROMPT, 8)

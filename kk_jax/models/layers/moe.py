@@ -29,14 +29,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from kk_jax.models.layers.linear import TRANSPOSED_SCALES
 from kk_jax.models.layers.mlp import SwiGLU
 from kk_jax.parallel.mesh import TP, spec
 from kk_jax.quant import fp8_block, mxfp8, nvfp4
-
-
-# Stacked expert tensors held transposed ([in / block, out]) like float experts; the codes and block
-# FP8's tile scales keep the checkpoint's [out, in] (see Experts).
-TRANSPOSED_SCALES = ("weight_scale",)
 
 
 def route(x: jax.Array, weight: jax.Array, bias: jax.Array, k: int, scaling: float, renorm: bool):
@@ -225,7 +221,8 @@ def _check_expert_tp(method, k, n, axes, mesh, block) -> None:
 
 
 def dequantize_stacked(method: str | None, ops: tuple, block=(128, 128), dtype=jnp.float32) -> jax.Array:
-    """Stacked expert operands in the :class:`Experts` layout (quantized: codes ``[E, N, K']``; float:
+    """Stacked expert operands in the :class:`Experts` layout (quantized: codes ``[E, N, K']``, block
+    scales ``[E, K/b, N]``; float:
     ``[E, K, N]`` as is) -> ``[E, K, N]`` ``dtype``, the right-hand side of the grouped dot. Each
     expert goes through ``kk_jax.quant.<method>.dequantize`` (f32 products, one rounding), so
     float32 results equal the per-expert 2-D dequantization bit for bit."""
