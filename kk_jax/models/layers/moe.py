@@ -9,8 +9,8 @@ dot supports — never on the GPU hot path. Under tensor parallelism each device
 holds a slice of every expert's intermediate width; partial outputs are summed across ``tp``.
 
 Quantized routed experts (block FP8 as released, ModelOpt MXFP8 / NVFP4) stay quantized in
-device memory, stacked per layer in the checkpoint's ``[out, in]`` orientation
-(:class:`Experts`). On the GPU (``pallas``) they run through ``pallas_kernels.moe_quant``:
+device memory, stacked per layer, codes in the checkpoint's ``[out, in]`` orientation and block
+scales transposed (:class:`Experts`). On the GPU (``pallas``) they run through ``pallas_kernels.moe_quant``:
 the token-slots of each expert are packed into row tiles and every tile is multiplied by its
 expert's codes and scales, dequantized inside the kernel, so a decode step reads only the
 experts it routes to, once each (:func:`quantized_experts`). Elsewhere (``xla``; or a layout the
@@ -97,7 +97,7 @@ def quantized_experts(x, idx, w, methods, projs, limit: float, num_experts: int,
     """:func:`grouped_experts` over quantized experts, dequantized inside the
     ``pallas_kernels.moe_quant`` kernel (``interpret``: its CPU interpreter, for tests).
     ``projs``: per projection (gate, up, down) the operands in the :class:`Experts` layout
-    (``[E', N, K']``, E' = layers x E when a scanned group's stack is passed whole;
+    (codes ``[E', N, K']``, E' = layers x E when a scanned group's stack is passed whole;
     ``expert_offset`` then selects the layer's E experts)."""
     from pallas_kernels.moe_quant import gather_rows, grouped_matmul, route_tiles
 
