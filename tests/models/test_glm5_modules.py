@@ -133,6 +133,59 @@ def test_quantized_experts_kernel_path_matches_the_dequantized_grouped_dot(fmt, 
     assert tile_rows(n * k, e) == 8 and tile_rows(8192 * 8, 288) == 128 and tile_rows(64 * 8, 288) == 8
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_block"])
+def test_moe_layer_takes_the_kernel_path_like_the_dequantized_path(monkeypatch, fmt):
+    """MoE.__call__ with backend="pallas" (the grouped kernel, replaced here by its jnp twin: the
+    Mosaic GPU interpreter is not safe on several CPU devices at once) against backend="xla"
+    (dequantize + grouped dot), for a scanned group of two layers' stacked experts at both stack
+    positions, under tensor parallelism: exercises the per-operand shard specs (codes [.., N, K'],
+    transposed block scales, block FP8 tile scales), the [L·E] flattening and the layer offset."""
+    import pallas_kernels.moe_quant as mq
+    from kk_jax.models.layers.moe import MoE
+    from kk_jax.parallel.mesh import make_mesh
+    from kk_jax.quant import fp8_block
+
+    twin = mq.grouped_matmul
+    used = []
+    monkeypatch.setattr(mq, "grouped_matmul", lambda *a, **k: used.append(1) or twin(*a, **{**k, "backend": "xla"}))
+    hidden, width, e, layers = 128, 256, 6, 2
+    moe = MoE(hidden, width, e, 1, 3, 2.5, True, 7.0, jnp.float32)
+    rng = np.random.default_rng(5)
+    quantize = {"nvfp4": nvfp4.quantize, "fp8_block": fp8_block.quantize}[fmt]
+    for proj, (n, k) in zip(("gate_proj", "up_proj", "down_proj"), ((width, hidden),) * 2 + ((hidden, width),)):
+        moe.experts.quantize_(proj, fmt)
+        per = [quantize(rng.standard_normal((n, k)) * 0.1) for _ in range(layers * e)]
+        for j, sfx in enumerate(moe.experts.suffixes(proj)):
+            a = jnp.stack([jnp.asarray(q[j]) for q in per])
+            if sfx == "weight_scale":
+                a = jnp.swapaxes(a, 1, 2)                                 # held transposed
+            var = getattr(moe.experts, proj if sfx == "weight" else f"{proj}_{sfx}")
+            var.value = a.reshape(layers, e, *a.shape[1:])                # [L, E, ...] as in a scanned group
+    moe.gate.weight.value = jnp.asarray(rng.standard_normal((e, hidden)), jnp.float32)
+    mesh = make_mesh(2)
+    x = jnp.asarray(rng.standard_normal((1, 5, hidden)), jnp.bfloat16)
+    run = {b: jax.jit(lambda x, layer, b=b: moe(x, mesh, b, stack_index=layer)) for b in ("pallas", "xla")}
+    out = {(b, layer): run[b](x, jnp.int32(layer)).astype(jnp.float32) for b in run for layer in range(layers)}
+    rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+    for layer in range(layers):
+        assert rel(out["pallas", layer], out["xla", layer]) < 2e-2, layer
+    assert used                                       # the kernel path ran (kernel_takes held for every shard)
+    assert rel(out["pallas", 1], out["xla", 0]) > 0.1                    # the layers' experts differ
+
+
+def test_kernel_path_needs_whole_kernel_tiles():
+    """Shapes the grouped kernel cannot tile fall back to the dequantizing path instead of failing."""
+    from kk_jax.models.layers.moe import kernel_takes
+
+    def nv(n, k):                      # nvfp4 operands of 2 experts: codes, transposed scales, global scales
+        return (jnp.zeros((2, n, k // 2), jnp.uint8), jnp.zeros((2, k // 16, n), jnp.float8_e4m3fn), jnp.ones((2,)))
+
+    assert kernel_takes(("nvfp4",) * 3, (128, 128), (nv(64, 128), nv(64, 128), nv(128, 64)))
+    assert not kernel_takes(("nvfp4",) * 3, (128, 128), (nv(64, 96), nv(64, 96), nv(96, 64)))     # K % 64
+    assert not kernel_takes(("nvfp4",) * 3, (128, 128), (nv(32, 128), nv(32, 128), nv(128, 32)))  # N % 64
+    assert not kernel_takes(("nvfp4", "nvfp4", None), (128, 128), (nv(64, 128), nv(64, 128), nv(128, 64)))
+
+
 @pytest.fixture(scope="module")
 def indexer():
 
