@@ -21,10 +21,6 @@ class Tiles(NamedTuple):
     slot_of_row: jax.Array
     row_of_pair: jax.Array
 
-    @property
-    def bm(self) -> int:
-        return self.slot_of_row.shape[0] // self.tile_expert.shape[0]
-
 
 def num_tiles(pairs: int, experts: int, bm: int) -> int:
     return -(-pairs // bm) + min(experts, pairs)

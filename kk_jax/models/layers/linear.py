@@ -52,6 +52,9 @@ from kk_jax.quant.config import OPTIONAL_TENSORS, QuantConfig
 E4M3 = jnp.float8_e4m3fn
 # Quantization tensors held transposed on the device (see the module docstring)
 TRANSPOSED_SCALES = ("weight_scale",)
+# The tensors a quantized matmul takes, in order (what the kernels' and jnp twins' arguments are)
+OPERANDS = {None: ("weight",), "fp8_block": ("weight", "weight_scale_inv"), "mxfp8": ("weight", "weight_scale"),
+            "nvfp4": ("weight", "weight_scale", "weight_scale_2")}
 
 
 class QuantLayoutError(ValueError):
@@ -120,11 +123,7 @@ class Linear(nnx.Module):
         self.act_quant, self.interpret = act_quant, interpret
 
     def _quant_operands(self) -> tuple:
-        if self.quant == "fp8_block":
-            return (self.weight[...], self.weight_scale_inv[...])
-        if self.quant == "mxfp8":
-            return (self.weight[...], self.weight_scale[...])
-        return (self.weight[...], self.weight_scale[...], self.weight_scale_2[...])
+        return tuple(getattr(self, s)[...] for s in OPERANDS[self.quant])
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.quant is None:
@@ -393,9 +392,9 @@ def quantized_matmul(x, ops: tuple, *, method: str, axes, block=(128, 128), back
         y = call(x2, *ops)
         return y.reshape(*lead, y.shape[-1])
     w_spec = spec(axes)
-    t_spec = P(*reversed(tuple(w_spec)))                    # the transposed block scales (mxfp8, nvfp4)
-    op_specs = tuple(P() if o.ndim != 2 else t_spec if i == 1 and method in ("mxfp8", "nvfp4") else w_spec
-                     for i, o in enumerate(ops))
+    t_spec = P(*reversed(tuple(w_spec)))
+    op_specs = tuple(P() if o.ndim != 2 else t_spec if s in TRANSPOSED_SCALES else w_spec
+                     for s, o in zip(OPERANDS[method], ops))
     col, row = tuple(w_spec)[0] == TP, tuple(w_spec)[1] == TP
     if row:
         body = lambda xx, *oo: jax.lax.psum(call(xx, *oo), TP)

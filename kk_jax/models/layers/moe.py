@@ -29,10 +29,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from kk_jax.models.layers.linear import TRANSPOSED_SCALES
+from kk_jax.models.layers.linear import OPERANDS, TRANSPOSED_SCALES, dequantize
 from kk_jax.models.layers.mlp import SwiGLU
 from kk_jax.parallel.mesh import TP, spec
-from kk_jax.quant import fp8_block, mxfp8, nvfp4
 
 
 def route(x: jax.Array, weight: jax.Array, bias: jax.Array, k: int, scaling: float, renorm: bool):
@@ -197,9 +196,7 @@ class Experts(nnx.Module):
 
     def suffixes(self, proj: str) -> tuple:
         """Checkpoint suffixes of :meth:`operands` (``weight`` first)."""
-        method = self.quant[self.PROJS.index(proj)]
-        return ("weight",) + {None: (), "fp8_block": ("weight_scale_inv",), "mxfp8": ("weight_scale",),
-                              "nvfp4": ("weight_scale", "weight_scale_2")}[method]
+        return OPERANDS[self.quant[self.PROJS.index(proj)]]
 
 
 def _check_expert_tp(method, k, n, axes, mesh, block) -> None:
@@ -222,21 +219,12 @@ def _check_expert_tp(method, k, n, axes, mesh, block) -> None:
 
 def dequantize_stacked(method: str | None, ops: tuple, block=(128, 128), dtype=jnp.float32) -> jax.Array:
     """Stacked expert operands in the :class:`Experts` layout (quantized: codes ``[E, N, K']``, block
-    scales ``[E, K/b, N]``; float:
-    ``[E, K, N]`` as is) -> ``[E, K, N]`` ``dtype``, the right-hand side of the grouped dot. Each
-    expert goes through ``kk_jax.quant.<method>.dequantize`` (f32 products, one rounding), so
-    float32 results equal the per-expert 2-D dequantization bit for bit."""
+    scales ``[E, K/b, N]``; float: ``[E, K, N]`` as is) -> ``[E, K, N]`` ``dtype``, the right-hand
+    side of the grouped dot. Each expert goes through the linear layers' :func:`dequantize` (f32
+    products, one rounding), so float32 results equal the per-expert 2-D dequantization bit for bit."""
     if method is None:
         return ops[0]
-    if method == "fp8_block":
-        f = lambda w, s: fp8_block.dequantize(w, s, block, dtype)
-    elif method == "mxfp8":
-        f = lambda w, s: mxfp8.dequantize(w, s.T, dtype)
-    elif method == "nvfp4":
-        f = lambda w, s, s2: nvfp4.dequantize(w, s.T, s2, dtype)
-    else:
-        raise ValueError(f"unknown expert quantization {method!r}")
-    return jnp.swapaxes(jax.vmap(f)(*ops), 1, 2)
+    return jnp.swapaxes(jax.vmap(lambda *o: dequantize(method, o, block, dtype))(*ops), 1, 2)
 
 
 def kernel_takes(methods, block, projs) -> bool:
