@@ -5,7 +5,9 @@ runner's fused decode loop (``--steps`` tokens per device call) runs over sequen
 already hold ``--context`` tokens of KV. Reported per decode step: time, tokens/s, the
 roofline time (bytes of weights + KV read per step / 4.2 TB/s) and its ratio, and host time
 (packing/unpacking arrays) as a share of the step. Both attention backends (Pallas kernel and
-the jnp twin) run in the same process for a side-by-side number.
+the jnp twin) run in the same process for a side-by-side number, and with
+``--dense-decode-backends pallas xla`` the unquantized linears' decode matmuls on the Pallas
+weight-streaming kernel and on XLA's GEMV.
 
     python benchmarks/bench_decode.py --batch 1 8 64 --context 1024 --json out.json
     python benchmarks/bench_decode.py --tiny          # CPU smoke run with a tiny shape
@@ -49,13 +51,13 @@ def step_bytes(cfg: Qwen3Config, runner: ModelRunner, batch: int, context: int) 
     return w + kv
 
 
-def bench(cfg, backend, batches, context, steps, iters, page_size, tp, trace_dir=None):
+def bench(cfg, backend, batches, context, steps, iters, page_size, tp, trace_dir=None, dense="auto"):
     max_b = max(batches)
     max_len = context + steps * (iters + 2) + page_size
     pages_per_seq = math.ceil(max_len / page_size)
     ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_b, max_num_batched_tokens=page_size,
                         page_size=page_size, num_pages=max_b * pages_per_seq + 1, tp=tp, decode_steps=steps,
-                        kernel_backend=backend)
+                        kernel_backend=backend, dense_decode_backend=dense)
     runner = ModelRunner(Qwen3ForCausalLM, cfg, None, jnp.bfloat16, ecfg, make_mesh(tp), progress=False,
                          random_weights_seed=0)
     greedy = SamplingParams(max_tokens=steps, temperature=0.0)
@@ -77,7 +79,7 @@ def bench(cfg, backend, batches, context, steps, iters, page_size, tp, trace_dir
             with jax.profiler.trace(trace_dir):
                 runner.decode(rows)
         roof = step_bytes(cfg, runner, b, context) / HBM_BYTES_PER_S
-        rows_out.append(dict(backend=runner.backend, batch=b, context=context, step_ms=wall * 1e3,
+        rows_out.append(dict(backend=runner.backend, dense=runner.dense_backend, batch=b, context=context, step_ms=wall * 1e3,
                              tok_per_s=b / wall, roofline_ms=roof * 1e3, roofline_frac=roof / wall,
                              host_frac=host / wall, compile_s=compile_s))
     return rows_out
@@ -92,6 +94,8 @@ def main():
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--backends", nargs="+", default=["pallas", "xla"])
+    ap.add_argument("--dense-decode-backends", nargs="+", default=["auto"],
+                    help="unquantized linears at decode, per kernel backend: auto | pallas | xla (several: A/B)")
     ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     ap.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke run)")
     ap.add_argument("--trace", default=None, help="write a jax.profiler trace of one call at the largest batch")
@@ -102,12 +106,14 @@ def main():
         cfg = Qwen3Config(**{**cfg.__dict__, "num_hidden_layers": args.layers})
     results = []
     for backend in args.backends:
-        results += bench(cfg, backend, args.batch, args.context, args.steps, args.iters, args.page_size, args.tp,
-                         trace_dir=args.trace if backend == args.backends[0] else None)
+        for dense in args.dense_decode_backends:
+            first = backend == args.backends[0] and dense == args.dense_decode_backends[0]
+            results += bench(cfg, backend, args.batch, args.context, args.steps, args.iters, args.page_size,
+                             args.tp, trace_dir=args.trace if first else None, dense=dense)
     print(f"device: {jax.devices()[0].device_kind}  model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}")
-    print(f"{'backend':8} {'batch':>5} {'ctx':>6} {'step ms':>9} {'tok/s':>10} {'roof ms':>9} {'%roof':>6} {'host%':>6}")
+    print(f"{'backend':8} {'dense':6} {'batch':>5} {'ctx':>6} {'step ms':>9} {'tok/s':>10} {'roof ms':>9} {'%roof':>6} {'host%':>6}")
     for r in results:
-        print(f"{r['backend']:8} {r['batch']:5d} {r['context']:6d} {r['step_ms']:9.3f} {r['tok_per_s']:10.1f} "
+        print(f"{r['backend']:8} {r['dense']:6} {r['batch']:5d} {r['context']:6d} {r['step_ms']:9.3f} {r['tok_per_s']:10.1f} "
               f"{r['roofline_ms']:9.3f} {100 * r['roofline_frac']:6.1f} {100 * r['host_frac']:6.2f}")
     if args.json:
         with open(args.json, "w") as f:

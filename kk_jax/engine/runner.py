@@ -211,6 +211,10 @@ class ModelRunner:
         self.cfg, self.mesh, self.model_cfg = cfg, mesh, model_cfg
         check_divisible(mesh, **model_cls.divisible_sizes(model_cfg))
         self.backend = resolve_backend(cfg.kernel_backend)
+        self.dense_backend = self.backend if cfg.dense_decode_backend == "auto" else cfg.dense_decode_backend
+        if self.dense_backend == "pallas" and jax.default_backend() != "gpu":
+            raise ConfigError("dense_decode_backend 'pallas' runs a Mosaic GPU kernel and needs an NVIDIA GPU; "
+                              f"this machine's JAX backend is {jax.default_backend()!r} (use auto or xla)")
         if cfg.kda_backend == "pallas" and jax.default_backend() != "gpu":
             raise ConfigError(f"kda_backend 'pallas' runs the Mosaic GPU KDA kernels and needs an NVIDIA GPU; "
                               f"this machine's JAX backend is {jax.default_backend()!r} (use auto or xla)")
@@ -226,7 +230,7 @@ class ModelRunner:
             check_fp8_activations(model_dir)
         abstract = nnx.eval_shape(lambda: prepare_experts(prepare_linears(
             model_cls(model_cfg, dtype, **extra), model_dir, backend=self.backend, mesh=mesh,
-            act_quant=cfg.fp8_activations), model_dir, mesh=mesh))
+            act_quant=cfg.fp8_activations, dense_backend=self.dense_backend), model_dir, mesh=mesh))
         scan_plan = getattr(model_cls, "layer_scan", lambda _: None)(model_cfg) if cfg.scan_layers else None
         t0 = time.perf_counter()
         if random_weights_seed is None:     # checkpoint names of the per-layer, per-expert model

@@ -31,6 +31,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kernel-backend", default="auto", choices=["auto", "pallas", "xla"])
     ap.add_argument("--kda-backend", default="auto", choices=["auto", "pallas", "xla"],
                     help="KDA layers only (GLM-5.3); auto follows --kernel-backend; fixed for the server's lifetime")
+    ap.add_argument("--dense-decode-backend", default="auto", choices=["auto", "pallas", "xla"],
+                    help="unquantized linears at decode: pallas = weight-streaming Mosaic GPU kernel, xla = XLA's "
+                         "GEMV; auto follows --kernel-backend")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
                     help="compile every layer on its own instead of scanning repeating layer groups "
@@ -57,7 +60,8 @@ def build(args):
     config = EngineConfig(max_model_len=args.max_model_len, **limits, page_size=args.page_size,
                           num_pages=args.num_pages, gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_dtype=args.kv_cache_dtype, tp=args.tp, decode_steps=args.decode_steps,
-                          kernel_backend=args.kernel_backend, kda_backend=args.kda_backend, seed=args.seed,
+                          kernel_backend=args.kernel_backend, kda_backend=args.kda_backend,
+                          dense_decode_backend=args.dense_decode_backend, seed=args.seed,
                           scan_layers=args.scan_layers, fp8_activations=args.fp8_activations)
     engine = LLMEngine(model, dtype=args.dtype, config=config)
     for kind, b, t, secs in engine.warmup_report:

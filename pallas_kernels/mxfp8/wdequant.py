@@ -1,13 +1,15 @@
-"""Shared Mosaic GPU (Hopper) engine for weight-only quantized matmuls (W8A16 / W4A16).
+"""Shared Mosaic GPU (Hopper) engine for weight-streaming matmuls: weight-only quantized
+(W8A16 / W4A16) and plain bf16.
 
     y[M, N] = x[M, K] (bf16) @ dequant(w)[N, K]^T      fp32 accumulation
 
-Used by ``pallas_kernels.{mxfp8,fp8_block,nvfp4}``. Hopper has no block-scaled tensor-core
-instruction, so each CTA streams its quantized weight tile HBM -> SMEM with TMA, dequantizes
-it in registers (exact bit tricks, below), writes the bf16 tile to SMEM and issues a bf16
-``wgmma``. The product is "swapped" (A = weight rows, B = tokens): the accumulator is
-``[64 weight rows, bm tokens]``, so a decode batch of 1..64 tokens sits in wgmma's N
-dimension (multiple of 8) instead of being padded to M = 64.
+Used by ``pallas_kernels.{mxfp8,fp8_block,nvfp4,dense_matmul}``. Hopper has no block-scaled tensor-core
+instruction, so each CTA streams its quantized weight tile HBM -> SMEM with TMA (the MXFP8 /
+NVFP4 per-block scales of the tile with it, as a [tk / block, 64] tile of the transposed scale
+array), dequantizes it in registers (exact bit tricks, below) and feeds the bf16 values to
+``wgmma`` straight from registers (block FP8: through SMEM). The product is "swapped" (A =
+weight rows, B = tokens): the accumulator is ``[64 weight rows, bm tokens]``, so a decode batch
+of 1..64 tokens sits in wgmma's N dimension (multiple of 8) instead of being padded to M = 64.
 
 One kernel serves both shapes of the problem, only the tiling differs (``plan``):
 
@@ -22,7 +24,7 @@ Dequantization per format (``fmt``):
 * ``mxfp8``: e4m3 -> bf16 is exact (through f16, which Hopper converts natively); the E8M0
   scale becomes a bf16 power of two by moving its 8 bits into the bf16 exponent field
   (``u << 7``) and the multiply is exact. The tile is processed in 32-column groups, each with
-  one per-row scale vector (loaded straight from GMEM in the wgmma row layout, one step ahead).
+  one per-row scale vector (a row of the step's staged scale tile, read in the wgmma row layout).
   E8M0 0 (2^-127) maps to 0 (ModelOpt writes it for all-zero blocks, whose values are 0
   anyway) and 255 (NaN) to inf.
 * ``fp8_block``: one fp32 scale per 64x``tk`` tile (the tile sits inside one 128x128 block):
@@ -36,15 +38,24 @@ Dequantization per format (``fmt``):
   groups (the narrowest swizzle), each covering four 16-element scale blocks; a per-column
   select picks each element's block scale.
 
+* ``bf16``: plain weights, nothing to dequantize: the TMA'd weight tile is wgmma's A operand.
+  This is the weight-streaming decode matmul of unquantized linears
+  (``pallas_kernels.dense_matmul``).
+
 Constraints (the per-format wrappers pad what does not fit with ``pad_rows`` / ``pad_cols``):
 N a multiple of 64, K a multiple of ``tk``, M a multiple of ``bm``. Padding M or the
 activations is cheap; padding N or K copies the weight on every call, which only odd shapes
 (N = 1 in tests) need: real layers have N % 64 == 0 and K a multiple of the step.
 
-The dequantized tile goes through shared memory (``wgmma`` with A from SMEM) rather than
-straight from registers: Mosaic GPU's CPU interpreter only models SMEM operands, and the
-kernel must be testable on CPU. Both wgmma operands use the same swizzle (64 bytes for the
-32-column groups), which ``wgmma`` requires.
+Register operands against the earlier design, in which the per-row scale vectors were loaded
+from HBM one step ahead and the dequantized tile was written to SMEM for an SMEM-operand wgmma
+(one H200, 12288x4096 and 4096x12288, A/B in one process): MXFP8 0.96x at M = 1, 1.28-1.31x at
+M = 16, 1.18-1.23x at M = 64; NVFP4 1.13-1.19x at M = 1, 0.99-1.14x at M = 16, 1.06-1.07x at
+M = 64. Mosaic GPU's CPU interpreter only models SMEM operands, so ``interpret=True`` (the CPU
+tests) runs the SMEM-operand form of the same step: the same staged scales and the same
+dequantization, written to a double-buffered SMEM tile; the register form is tested on the GPU
+(``pytest -m gpu``). Both wgmma operands use the same swizzle (64 bytes for the 32-column
+groups), which ``wgmma`` requires.
 """
 
 from __future__ import annotations
@@ -94,12 +105,18 @@ def _pow2_at_least(n: int) -> int:
 SMEM_BUDGET = {"prefill": 200 * 1024, "decode": 110 * 1024}
 
 
+# K elements per scale of the formats whose per-block scales are staged through the pipeline
+SCALE_BLOCK = {"mxfp8": 32, "nvfp4": 16}
+
+
 def smem_bytes(fmt: str, bm: int, tk: int, stages: int, out_bytes: int = 4) -> int:
-    """Shared memory of one CTA: pipelined weight + activation tiles, dequantized tiles, output."""
-    w_step = BN * (tk // 2 if fmt == "nvfp4" else tk)
+    """Shared memory of one CTA on the GPU: pipelined weight, activation and scale tiles, the
+    dequantized tiles (fp8_block only: the other formats feed wgmma from registers), output."""
+    w_step = BN * {"nvfp4": tk // 2, "bf16": 2 * tk}.get(fmt, tk)
     x_step = bm * tk * (1 if fmt == "fp8_w8a8" else 2)
-    wdq = 0 if fmt == "fp8_w8a8" else 2 * BN * tk * 2
-    return stages * (w_step + x_step) + wdq + bm * BN * out_bytes
+    s_step = BN * tk // SCALE_BLOCK[fmt] if fmt in SCALE_BLOCK else 0
+    wdq = 2 * BN * tk * 2 if fmt == "fp8_block" else 0
+    return stages * (w_step + x_step + s_step) + wdq + bm * BN * out_bytes
 
 
 def plan(m: int, n: int, k: int, fmt: str, *, tk: int | None = None, splits: int | None = None,
@@ -107,7 +124,8 @@ def plan(m: int, n: int, k: int, fmt: str, *, tk: int | None = None, splits: int
          row_tiles: int | None = None) -> Plan:
     """Tiles for an [m, k] x [n, k]^T product (n a multiple of 64, k of the chosen tk).
 
-    ``fmt`` is mxfp8 / fp8_block / nvfp4 (dequantizing engine) or fp8_w8a8 (tk = 128). The
+    ``fmt`` is mxfp8 / fp8_block / nvfp4 (dequantizing engine), bf16 (plain weights) or fp8_w8a8
+    (tk = 128). The
     largest K step and pipeline depth that fit ``budget`` bytes of shared memory win.
     ``row_tiles``: the number of row tiles when it is not ceil(m / bm) (grouped calls: m is
     one tile's rows), for sizing the K split."""
@@ -169,9 +187,9 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
     """Runs the kernel on padded operands.
 
     xs      mxfp8/fp8_block: (x [Mp, K] bf16,);  nvfp4: (x_even, x_odd) each [Mp, K/2] bf16
-    w       [N, K] e4m3 (mxfp8, fp8_block) or [N, K/2] uint8 (nvfp4)
+    w       [N, K] e4m3 (mxfp8, fp8_block), [N, K/2] uint8 (nvfp4) or [N, K] bf16 (bf16)
     scales  mxfp8: (weight_scale uint8 [K/32, N],); fp8_block: (weight_scale_inv f32 [N/128, K/128],);
-            nvfp4: (weight_scale e4m3 [K/16, N], weight_scale_2 f32 [1]); the per-block scales of
+            nvfp4: (weight_scale e4m3 [K/16, N], weight_scale_2 f32 [1]); bf16: (); the per-block scales of
             mxfp8 / nvfp4 transposed from the checkpoint's [N, K/b] so that a step's scale vector
             for 64 rows is 64 contiguous bytes (H200: decode kernels 1.13-1.22x faster than with
             strided loads)
@@ -194,6 +212,9 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
         raise ValueError(f"operands not padded for the plan: M={mp} N={n} K={k} plan={p}")
     part_dtype = jnp.float32 if splits > 1 else jnp.dtype(out_dtype)
     bf16 = jnp.bfloat16
+    staged = fmt in SCALE_BLOCK                  # per-block scales come through the pipeline
+    register_a = staged and not interpret        # dequantized tiles feed wgmma from registers
+    dequantized_smem = fmt == "fp8_block" or (staged and interpret)
 
     if fmt == "mxfp8":
         groups, gw = tk // 32, 32                    # 32-column groups, one scale each
@@ -213,6 +234,10 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
         x_blocks = [(bm, half), (bm, half)]
         op_tr = smem_tile(bf16, half, swizzle=64)
         wdq_shape = (2, 2, BN, half)
+    elif fmt == "bf16":
+        w_block, w_tr = (BN, tk), smem_tile(bf16, tk)
+        x_blocks = [(bm, tk)]
+        op_tr = smem_tile(bf16, tk)
     else:
         raise ValueError(f"unknown format {fmt!r}")
 
@@ -222,29 +247,38 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
         w_gmem = refs[nx]
         s_gmem = refs[nx + 1:nx + 1 + len(scales)]
         te_gmem = refs[nx + 1 + len(scales)] if grouped else None
-        o_gmem, wdq, o_smem = refs[nx + 1 + len(scales) + grouped:]
+        o_gmem, *wdq, o_smem = refs[nx + 1 + len(scales) + grouped:]
         nb = lax.axis_index("n")
         mb = lax.axis_index("m")
         ks = lax.axis_index("k")
         k0 = ks * nk                                 # first K step of this split
         e = te_gmem[mb] if grouped else 0            # expert of this row tile
         wb = e * (n // BN) + nb                      # weight row block
-        rows = pl.ds(wb * BN, BN)
 
-        def scale_vector(col):
-            """The 64 rows' scales of per-block scale column ``col`` (mxfp8 / nvfp4), ROW layout."""
-            ref = s_gmem[0].at[e, col, pl.ds(nb * BN, BN)] if grouped else s_gmem[0].at[col, rows]
-            return plgpu.load(ref, layout=ROW, optimized=False)
 
         def tile():
-            def step_scales(kk):
-                """Per-row scale vectors (ROW layout) of K step kk, as the dequant multipliers."""
+            def step_scales(s_smem):
+                """Per-row scale vectors (ROW layout) of this step, from its TMA-staged [blocks, 64] tile."""
+                rows_ = [plgpu.load(s_smem.at[i], layout=ROW) for i in range(s_smem.shape[0])]
                 if fmt == "mxfp8":
-                    return tuple(_e8m0_to_bf16(scale_vector((k0 + kk) * groups + j)) for j in range(groups))
-                if fmt == "nvfp4":       # four 16-element blocks per 32-byte group; 2^14 folded in
-                    return tuple((_e4m3_to_f32(scale_vector((k0 + kk) * 4 * groups + i)) * 16384.0).astype(bf16)
-                                 for i in range(4 * groups))
-                return ()
+                    return tuple(_e8m0_to_bf16(r) for r in rows_)
+                return tuple((_e4m3_to_f32(r) * 16384.0).astype(bf16) for r in rows_)
+
+            def dequant_group(w_smem, sc, j):
+                cols = pl.ds(gw * j, gw)
+                if fmt == "mxfp8":
+                    wj = plgpu.load(w_smem.at[:, cols], layout=UPCAST_2X)
+                    wj = plgpu.layout_cast(wj, WGMMA).astype(jnp.float16).astype(bf16)
+                    return (wj * lax.broadcast_in_dim(sc[j], wj.shape, [0]),)
+                bj = plgpu.load(w_smem.at[:, cols], layout=UPCAST_2X)
+                bj = plgpu.layout_cast(bj, WGMMA).astype(jnp.int16)
+                lo = lax.bitwise_and(bj, jnp.int16(15))
+                hi = lax.shift_right_logical(bj, jnp.int16(4))
+                col = plgpu.broadcasted_iota(jnp.int32, (BN, gw), 1, layout=WGMMA)
+                s = lax.broadcast_in_dim(sc[4 * j + 3], (BN, gw), [0])
+                for i in (2, 1, 0):
+                    s = jnp.where(col < 8 * (i + 1), lax.broadcast_in_dim(sc[4 * j + i], (BN, gw), [0]), s)
+                return (_e2m1_times_2m14(lo).astype(bf16) * s, _e2m1_times_2m14(hi).astype(bf16) * s)
 
             def dequant(w_smem, buf, sc, kk):
                 if fmt == "fp8_block":
@@ -255,41 +289,42 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
                     return
                 for j in range(groups):
                     cols = pl.ds(gw * j, gw)
-                    if fmt == "mxfp8":
-                        wj = plgpu.load(w_smem.at[:, cols], layout=UPCAST_2X)
-                        wj = plgpu.layout_cast(wj, WGMMA).astype(jnp.float16).astype(bf16)
-                        buf.at[0, :, cols][...] = wj * lax.broadcast_in_dim(sc[j], wj.shape, [0])
-                    else:
-                        bj = plgpu.load(w_smem.at[:, cols], layout=UPCAST_2X)
-                        bj = plgpu.layout_cast(bj, WGMMA).astype(jnp.int16)
-                        lo = lax.bitwise_and(bj, jnp.int16(15))
-                        hi = lax.shift_right_logical(bj, jnp.int16(4))
-                        # byte column c holds elements 2c, 2c+1 of block c // 8
-                        col = plgpu.broadcasted_iota(jnp.int32, (BN, gw), 1, layout=WGMMA)
-                        s = lax.broadcast_in_dim(sc[4 * j + 3], (BN, gw), [0])
-                        for i in (2, 1, 0):
-                            s = jnp.where(col < 8 * (i + 1), lax.broadcast_in_dim(sc[4 * j + i], (BN, gw), [0]), s)
-                        buf.at[0, :, cols][...] = _e2m1_times_2m14(lo).astype(bf16) * s
-                        buf.at[1, :, cols][...] = _e2m1_times_2m14(hi).astype(bf16) * s
+                    for part, v in enumerate(dequant_group(w_smem, sc, j)):
+                        buf.at[part, :, cols][...] = v
 
             def compute(acc):
                 def body(idx, w_smem, *rest):
-                    x_smems, carry = rest[:-1], rest[-1]
                     (kk,) = idx
-                    nxt = step_scales(jnp.minimum(kk + 1, nk - 1))
-                    buf = wdq.at[lax.rem(kk, 2)]
-                    dequant(w_smem, buf, carry, kk)
+                    s_smem = rest[-1] if staged else None
+                    x_smems = rest[:-1] if staged else rest
+                    sc = step_scales(s_smem) if staged else ()
+                    if fmt == "bf16":        # the TMA tile is the wgmma operand
+                        plgpu.wgmma(acc, w_smem, x_smems[0].T)
+                        plgpu.wgmma_wait(0)
+                        return
+                    if register_a:
+                        for j in range(groups):
+                            cols = pl.ds(gw * j, gw)
+                            for part, v in enumerate(dequant_group(w_smem, sc, j)):
+                                plgpu.wgmma(acc, v, x_smems[part].at[:, cols].T)
+                        plgpu.wgmma_wait(0)
+                        return
+                    buf = wdq[0].at[lax.rem(kk, 2)]
+                    dequant(w_smem, buf, sc, kk)
                     plgpu.commit_smem()
                     for part, x_smem in enumerate(x_smems):
                         plgpu.wgmma(acc, buf.at[part], x_smem.T)
                     plgpu.wgmma_wait(1)
-                    return nxt
 
                 in_specs = [plgpu.BlockSpec(w_block, lambda kk: (wb, k0 + kk), transforms=w_tr)]
                 in_specs += [plgpu.BlockSpec(blk, lambda kk: (mb, k0 + kk), transforms=op_tr, delay_release=1)
                              for blk in x_blocks]
-                plgpu.emit_pipeline(body, grid=(nk,), in_specs=in_specs, max_concurrent_steps=stages,
-                                    init_carry=step_scales(0))(w_gmem, *x_gmem)
+                srcs = [w_gmem, *x_gmem]
+                if staged:
+                    in_specs.append(plgpu.BlockSpec((tk // SCALE_BLOCK[fmt], BN),
+                                                    lambda kk: (k0 + kk, nb if grouped else wb)))
+                    srcs.append(s_gmem[0].at[e] if grouped else s_gmem[0])
+                plgpu.emit_pipeline(body, grid=(nk,), in_specs=in_specs, max_concurrent_steps=stages)(*srcs)
                 plgpu.wgmma_wait(0)
                 return acc[...]
 
@@ -308,8 +343,8 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, part_dtype),
         scratch_types=(
-            plgpu.SMEM(wdq_shape, bf16, transforms=op_tr),                    # dequantized tiles
-            plgpu.SMEM((bm, BN), part_dtype, transforms=smem_tile(part_dtype, BN)),   # output tile
+            *([plgpu.SMEM(wdq_shape, bf16, transforms=op_tr)] if dequantized_smem else []),  # dequantized tiles
+            plgpu.SMEM((bm, BN), part_dtype, transforms=smem_tile(part_dtype, BN)),     # output tile
         ),
         grid=(n // BN, mp // bm, splits),
         grid_names=("n", "m", "k"),

@@ -214,3 +214,68 @@ def test_fused_projection_computes_what_the_separate_ones_do():
     gate, up = project(fused, "gate_up_proj", x)
     np.testing.assert_allclose(gate, separate.gate_proj(x), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(up, separate.up_proj(x), rtol=1e-6, atol=1e-6)
+
+
+def dense_linear(n, k, axes, seed=0, dtype=jnp.bfloat16):
+    lin = Linear(k, n, dtype, axes=axes)
+    lin.weight.value = jnp.asarray(np.random.default_rng(seed).standard_normal((n, k)) / np.sqrt(k), dtype)
+    return lin
+
+
+def test_dense_linear_decode_rows_run_the_weight_streaming_kernel(monkeypatch):
+    """An unquantized linear on the pallas dense backend: decode-sized inputs (<= 64 rows) go
+    through pallas_kernels.dense_matmul (Mosaic GPU interpreter here), larger ones and shapes
+    the kernel would have to pad stay on XLA's dot; all give the einsum's result."""
+    import kk_jax.models.layers.linear as linear_mod
+
+    calls = []
+    real = linear_mod._kernel_call
+    monkeypatch.setattr(linear_mod, "_kernel_call", lambda method, x2, ops, **kw: (
+        calls.append((method, x2.shape)), real(method, x2, ops, **kw))[1])
+    lin = dense_linear(128, 192, ("heads", "embed"))
+    x = jax.random.normal(jax.random.key(3), (2, 3, 192), jnp.float32).astype(jnp.bfloat16)
+    want = lin(x)                                              # xla backend: XLA's dot
+    assert not calls
+    lin.backend, lin.interpret = "pallas", True
+    y = lin(x)
+    assert calls == [(None, (6, 192))] and y.shape == (2, 3, 128) and y.dtype == jnp.bfloat16
+    assert rel_err(y, want.astype(jnp.float32)) < 1e-2
+    lin(jnp.zeros((65, 192), jnp.bfloat16))                   # prefill-sized: XLA
+    odd = dense_linear(96, 192, ("heads", "embed"))            # 96 rows: not whole 64-row tiles
+    odd.backend, odd.interpret = "pallas", True
+    odd(x)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("axes", [("heads", "embed"), ("embed", "heads")], ids=["column", "row"])
+def test_dense_kernel_path_per_shard_at_tp2(monkeypatch, axes):
+    """At tp=2 the dense kernel runs per shard inside jax.shard_map (twin per shard, as above);
+    a shard holding a partial tile (N or K / 2 not a multiple of 64) stays on XLA."""
+    import kk_jax.models.layers.linear as linear_mod
+
+    seen = []
+    real = linear_mod._kernel_call
+
+    def twin(method, x2, ops, **kw):
+        seen.append((method, x2.shape, ops[0].shape))
+        return real(method, x2, ops, **{**kw, "backend": "xla", "interpret": False})
+
+    monkeypatch.setattr(linear_mod, "_kernel_call", twin)
+    mesh = make_mesh(2)
+    lin = dense_linear(256, 256, axes, seed=4)
+    quantize_linears(lin, None, dense_backend="pallas", mesh=mesh)
+    assert (lin.backend, lin.mesh) == ("pallas", mesh)
+    lin.weight.value = jax.device_put(lin.weight.value, NamedSharding(mesh, spec(axes)))
+    x = jax.random.normal(jax.random.key(5), (4, 256), jnp.float32).astype(jnp.bfloat16)
+    y = jax.jit(lambda x: lin(x))(x)
+    local = (128, 256) if axes[0] == "heads" else (256, 128)
+    assert seen == [(None, (4, local[1]), local)]
+    want = np.asarray(x, np.float64) @ np.asarray(lin.weight.value, np.float64).T
+    assert rel_err(y, want) < 1e-2
+    f32 = dense_linear(256, 256, axes, dtype=jnp.float32)     # float32 weights: XLA
+    quantize_linears(f32, None, dense_backend="pallas", mesh=mesh)
+    f32(jnp.ones((1, 256)))
+    small = dense_linear(64, 64, axes)                         # 32 per shard: XLA
+    quantize_linears(small, None, dense_backend="pallas", mesh=mesh)
+    small(jnp.ones((1, 64), jnp.bfloat16))
+    assert len(seen) == 1

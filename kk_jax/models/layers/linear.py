@@ -126,12 +126,12 @@ class Linear(nnx.Module):
         return tuple(getattr(self, s)[...] for s in OPERANDS[self.quant])
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        if self.quant is None:
+        if self.quant is None and not dense_kernel_takes(self, x):
             y = jnp.einsum("...i,oi->...o", x, self.weight[...], preferred_element_type=jnp.float32)
         else:
-            y = quantized_matmul(x, self._quant_operands(), method=self.quant, axes=self.axes, block=self.block,
-                                 backend=self.backend, mesh=self.mesh, act_quant=self.act_quant,
-                                 interpret=self.interpret)
+            y = linear_matmul(x, self._quant_operands(), method=self.quant, axes=self.axes, block=self.block,
+                              backend=self.backend, mesh=self.mesh, act_quant=self.act_quant,
+                              interpret=self.interpret)
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         return y.astype(x.dtype)
@@ -222,8 +222,10 @@ class FusedLinear(nnx.Module):
 
 # ---------------------------------------------------------------------- model-wide pass
 def quantize_linears(model: nnx.Module, qcfg: QuantConfig | None, *, tensor_names: Iterable[str] | None = None,
-                     backend: str = "xla", mesh=None, act_quant: bool = False, interpret: bool = False) -> list[str]:
-    """Turns every Linear / FusedLinear of ``model`` that ``qcfg`` quantizes into a quantized one.
+                     backend: str = "xla", mesh=None, act_quant: bool = False, interpret: bool = False,
+                     dense_backend: str = "xla") -> list[str]:
+    """Turns every Linear / FusedLinear of ``model`` that ``qcfg`` quantizes into a quantized one;
+    the others run decode-sized inputs on ``dense_backend`` (see :func:`dense_kernel_takes`).
 
     Call it on a freshly built (or abstract) model, before loading. ``tensor_names`` (the
     checkpoint's tensor names) decides block-FP8 membership and NVFP4's optional
@@ -248,12 +250,16 @@ def quantize_linears(model: nnx.Module, qcfg: QuantConfig | None, *, tensor_name
                              mesh=mesh, act_quant=act_quant, interpret=interpret, name=name)
             if method:
                 done.append(name)
-        elif isinstance(module, Linear) and qcfg is not None:
-            method = qcfg.method_for(name, names)
+            else:
+                module.backend, module.mesh, module.interpret = dense_backend, mesh, interpret
+        elif isinstance(module, Linear):
+            method = qcfg.method_for(name, names) if qcfg is not None else None
             if method:
                 module.quantize_(method, block=qcfg.block, optional=_optional(method, [name], names),
                                  backend=backend, mesh=mesh, act_quant=act_quant, interpret=interpret, name=name)
                 done.append(name)
+            else:
+                module.backend, module.mesh, module.interpret = dense_backend, mesh, interpret
     if problems:
         raise QuantLayoutError(f"{len(problems)} fused projection(s) mix quantization formats "
                                "(nothing was loaded):\n  " + "\n  ".join(problems))
@@ -310,11 +316,12 @@ def fuse_projections(model: nnx.Module, qcfg: QuantConfig | None = None, tensor_
 
 
 def prepare_linears(model: nnx.Module, model_dir=None, *, backend: str = "xla", mesh=None,
-                    act_quant: bool = False, interpret: bool = False) -> nnx.Module:
+                    act_quant: bool = False, interpret: bool = False, dense_backend: str = "xla") -> nnx.Module:
     """Fuses sibling projections (:func:`fuse_projections`), applies the quantization of
     checkpoint ``model_dir`` (none if None or unquantized) to ``model``'s linears with
     :func:`quantize_linears` and returns ``model``. FusedLinears get their tensor-parallel
-    layout even when nothing is quantized."""
+    layout even when nothing is quantized; unquantized linears run decode-sized inputs on
+    ``dense_backend``."""
     from kk_jax.checkpoint.safetensors_io import index_checkpoint
     from kk_jax.quant.config import detect
 
@@ -327,7 +334,7 @@ def prepare_linears(model: nnx.Module, model_dir=None, *, backend: str = "xla", 
             names = None            # the loader reports the missing files
     fuse_projections(model, qcfg, names, mesh)
     quantize_linears(model, qcfg, tensor_names=names, backend=backend, mesh=mesh, act_quant=act_quant,
-                     interpret=interpret)
+                     interpret=interpret, dense_backend=dense_backend)
     return model
 
 
@@ -365,9 +372,28 @@ def _check_tp_layout(method, n, k, axes, mesh, block) -> None:
 KERNEL_MAX_ROWS = 1024
 
 
+def dense_kernel_takes(linear, x: jax.Array) -> bool:
+    """Whether an unquantized linear runs ``x`` through the weight-streaming Pallas kernel
+    (``pallas_kernels.dense_matmul``): its backend is pallas, its weight bf16, ``x`` has at most the
+    kernel's row limit (a decode batch; prefill stays on XLA's GEMM) and each tensor-parallel shard
+    holds whole 64-row, 64-column tiles (otherwise the kernel would pad, i.e. copy, the weight
+    every call)."""
+    from pallas_kernels.dense_matmul import MAX_ROWS
+
+    if (linear.backend != "pallas" or math.prod(x.shape[:-1]) > MAX_ROWS
+            or linear.weight[...].dtype != jnp.bfloat16):
+        return False
+    n = linear.out_features // _tp_shards(linear.axes, linear.mesh, 0)
+    k = linear.in_features // _tp_shards(linear.axes, linear.mesh, 1)
+    return n % 64 == 0 and k % 64 == 0
+
+
 def _kernel_call(method, x2, ops, *, block, backend, act_quant, interpret, out_dtype):
     if backend == "pallas" and not act_quant and x2.shape[0] >= KERNEL_MAX_ROWS:
         backend = "xla"
+    if method is None:
+        from pallas_kernels import dense_matmul
+        return dense_matmul.matmul(x2, *ops, backend=backend, out_dtype=out_dtype, interpret=interpret)
     if method == "fp8_block":
         from pallas_kernels import fp8_block
         return fp8_block.matmul(x2, *ops, block=block, act_quant=act_quant, backend=backend, out_dtype=out_dtype,
@@ -379,9 +405,10 @@ def _kernel_call(method, x2, ops, *, block, backend, act_quant, interpret, out_d
     return nvfp4.matmul(x2, *ops, backend=backend, out_dtype=out_dtype, interpret=interpret)
 
 
-def quantized_matmul(x, ops: tuple, *, method: str, axes, block=(128, 128), backend="xla", mesh=None,
-                     act_quant=False, interpret=False):
-    """x [..., K] @ dequant(ops)^T -> [..., N] fp32. With backend="pallas" on a tp mesh the kernel
+def linear_matmul(x, ops: tuple, *, method: str | None, axes, block=(128, 128), backend="xla", mesh=None,
+                  act_quant=False, interpret=False):
+    """x [..., K] @ dequant(ops)^T -> [..., N] fp32 for a linear's :data:`OPERANDS` (``method``
+    None: the unquantized weight, for the dense kernel). With backend="pallas" on a tp mesh the kernel
     runs per shard inside ``jax.shard_map``: column-parallel weights give N-sharded outputs,
     row-parallel ones fp32 partial sums reduced with ``psum``."""
     lead, k = x.shape[:-1], x.shape[-1]
