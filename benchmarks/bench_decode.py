@@ -51,7 +51,7 @@ def step_bytes(cfg: Qwen3Config, runner: ModelRunner, batch: int, context: int) 
     return w + kv
 
 
-def bench(cfg, backend, batches, context, steps, iters, page_size, tp, trace_dir=None, dense="auto"):
+def bench(cfg, backend, batches, context, steps, iters, page_size, tp, trace_dir=None, dense="xla"):
     max_b = max(batches)
     max_len = context + steps * (iters + 2) + page_size
     pages_per_seq = math.ceil(max_len / page_size)
@@ -94,8 +94,8 @@ def main():
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--backends", nargs="+", default=["pallas", "xla"])
-    ap.add_argument("--dense-decode-backends", nargs="+", default=["auto"],
-                    help="unquantized linears at decode, per kernel backend: auto | pallas | xla (several: A/B)")
+    ap.add_argument("--dense-decode-backends", nargs="+", default=["xla"],
+                    help="unquantized linears at decode, per kernel backend: xla | pallas (several: A/B)")
     ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     ap.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke run)")
     ap.add_argument("--trace", default=None, help="write a jax.profiler trace of one call at the largest batch")

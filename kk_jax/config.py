@@ -231,8 +231,8 @@ class EngineConfig:
     decode_steps: int = 8                 # decode steps per device call (lax.while_loop)
     kernel_backend: str = "auto"          # auto (pallas on GPU, xla elsewhere) | pallas | xla
     kda_backend: str = "auto"             # KDA layers only: auto (= kernel_backend) | pallas | xla
-    dense_decode_backend: str = "auto"    # unquantized linears at decode (<= 64 rows): auto (= kernel_backend)
-                                          # | pallas (weight-streaming kernel) | xla (XLA's GEMV)
+    dense_decode_backend: str = "xla"     # unquantized linears at decode (<= 64 rows): xla (XLA's GEMV) |
+                                          # pallas (weight-streaming kernel; faster alone at 1 row, not yet in a model)
     seed: int = 0
     compilation_cache_dir: str | None = None
     load_mtp: bool = False                # also load the model's MTP (NextN) block, for speculative decoding
@@ -248,9 +248,11 @@ class EngineConfig:
             raise ConfigError(f"page_size must be a power of two, got {self.page_size}")
         if self.kv_cache_dtype not in ("auto", "bfloat16", "fp8"):
             raise ConfigError(f"kv_cache_dtype must be auto, bfloat16 or fp8, got {self.kv_cache_dtype!r}")
-        for name in ("kernel_backend", "kda_backend", "dense_decode_backend"):
+        for name in ("kernel_backend", "kda_backend"):
             if getattr(self, name) not in ("auto", "pallas", "xla"):
                 raise ConfigError(f"{name} must be auto, pallas or xla, got {getattr(self, name)!r}")
+        if self.dense_decode_backend not in ("pallas", "xla"):
+            raise ConfigError(f"dense_decode_backend must be pallas or xla, got {self.dense_decode_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.decode_steps < 1:

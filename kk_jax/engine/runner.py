@@ -211,10 +211,10 @@ class ModelRunner:
         self.cfg, self.mesh, self.model_cfg = cfg, mesh, model_cfg
         check_divisible(mesh, **model_cls.divisible_sizes(model_cfg))
         self.backend = resolve_backend(cfg.kernel_backend)
-        self.dense_backend = self.backend if cfg.dense_decode_backend == "auto" else cfg.dense_decode_backend
+        self.dense_backend = cfg.dense_decode_backend
         if self.dense_backend == "pallas" and jax.default_backend() != "gpu":
             raise ConfigError("dense_decode_backend 'pallas' runs a Mosaic GPU kernel and needs an NVIDIA GPU; "
-                              f"this machine's JAX backend is {jax.default_backend()!r} (use auto or xla)")
+                              f"this machine's JAX backend is {jax.default_backend()!r} (use xla)")
         if cfg.kda_backend == "pallas" and jax.default_backend() != "gpu":
             raise ConfigError(f"kda_backend 'pallas' runs the Mosaic GPU KDA kernels and needs an NVIDIA GPU; "
                               f"this machine's JAX backend is {jax.default_backend()!r} (use auto or xla)")

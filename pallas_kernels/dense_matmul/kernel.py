@@ -1,6 +1,7 @@
 """Dense bf16 weight-streaming matmul on Hopper: the shared engine (``wdequant.py``, format
-``bf16``) with its decode tiling. Against XLA's dot on the same bf16 weights (one H200, a
-12288x4096 weight, M = 1): 29.4 us (3.43 TB/s) vs 38.6 us (2.61 TB/s)."""
+``bf16``) with its decode tiling. Against XLA's dot on the same bf16 weights (one H200, one
+process): at one row 1.46x on 4096x4096 (11.7 vs 17.0 us), 1.12x on 6144x4096, 1.03x on
+24576x4096, 0.97x on 4096x12288; at 8 and 64 rows 0.91-1.03x (XLA's GEMM is as good there)."""
 
 from __future__ import annotations
 

@@ -47,11 +47,10 @@ N a multiple of 64, K a multiple of ``tk``, M a multiple of ``bm``. Padding M or
 activations is cheap; padding N or K copies the weight on every call, which only odd shapes
 (N = 1 in tests) need: real layers have N % 64 == 0 and K a multiple of the step.
 
-Register operands against the earlier design, in which the per-row scale vectors were loaded
-from HBM one step ahead and the dequantized tile was written to SMEM for an SMEM-operand wgmma
-(one H200, 12288x4096 and 4096x12288, A/B in one process): MXFP8 0.96x at M = 1, 1.28-1.31x at
-M = 16, 1.18-1.23x at M = 64; NVFP4 1.13-1.19x at M = 1, 0.99-1.14x at M = 16, 1.06-1.07x at
-M = 64. Mosaic GPU's CPU interpreter only models SMEM operands, so ``interpret=True`` (the CPU
+Staged scales and register operands against the earlier design, in which the per-row scale
+vectors were loaded from HBM one step ahead and the dequantized tile was written to SMEM for an
+SMEM-operand wgmma (one H200, 12288x4096, A/B in one process): MXFP8 0.95x at M = 1, 1.26x at
+M = 16, 1.41x at M = 64; NVFP4 1.17x at M = 1, 1.09x at M = 16. Mosaic GPU's CPU interpreter only models SMEM operands, so ``interpret=True`` (the CPU
 tests) runs the SMEM-operand form of the same step: the same staged scales and the same
 dequantization, written to a double-buffered SMEM tile; the register form is tested on the GPU
 (``pytest -m gpu``). Both wgmma operands use the same swizzle (64 bytes for the 32-column
@@ -139,7 +138,7 @@ def plan(m: int, n: int, k: int, fmt: str, *, tk: int | None = None, splits: int
         cands = (256, 128, 64, 32)
     else:
         cands = (64, 32)
-    if fmt == "nvfp4":
+    if fmt in SCALE_BLOCK:   # a staged scale tile (tk / block rows of 64 bytes) must fill TMA's 128-byte alignment
         cands = tuple(c for c in cands if c >= 64) or (64,)
     if fmt == "fp8_block":
         cands = tuple(c for c in cands if c <= 128)

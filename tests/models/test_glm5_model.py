@@ -179,6 +179,15 @@ def test_kda_backend_is_fixed_per_engine_and_checked(ckpt, llm):
         LLM(ckpt, kda_backend="triton", **LIMITS)
 
 
+def test_dense_decode_backend_is_checked(ckpt, llm):
+    """--dense-decode-backend: xla by default; pallas is refused without a GPU before loading."""
+    assert llm.engine.runner.dense_backend == "xla"
+    with pytest.raises(ConfigError, match="dense_decode_backend 'pallas' .* needs an NVIDIA GPU"):
+        LLM(ckpt, dense_decode_backend="pallas", **LIMITS)
+    with pytest.raises(ConfigError, match="dense_decode_backend must be pallas or xla, got 'auto'"):
+        LLM(ckpt, dense_decode_backend="auto", **LIMITS)
+
+
 def test_scanned_layer_groups_equal_unrolled_layers(tmp_path):
     """Nine layers (a dense KDA layer, then two groups of KDA, KDA, DSA, KDA with MoE): the
     repeating groups run as one scan over stacked weights and stacked pools (fp8 cache, so the

@@ -185,6 +185,12 @@ def test_kernel_path_needs_whole_kernel_tiles():
     assert not kernel_takes(("nvfp4",) * 3, (128, 128), (nv(32, 128), nv(32, 128), nv(128, 32)))  # N % 64
     assert not kernel_takes(("nvfp4", "nvfp4", None), (128, 128), (nv(64, 128), nv(64, 128), nv(128, 64)))
 
+    def mx(n, k):                      # mxfp8 operands of 2 experts: codes, transposed E8M0 scales
+        return (jnp.zeros((2, n, k), jnp.float8_e4m3fn), jnp.zeros((2, k // 32, n), jnp.uint8))
+
+    assert kernel_takes(("mxfp8",) * 3, (128, 128), (mx(64, 128), mx(64, 128), mx(128, 64)))
+    assert not kernel_takes(("mxfp8",) * 3, (128, 128), (mx(64, 96), mx(64, 96), mx(96, 64)))     # K % 64
+
 
 @pytest.fixture(scope="module")
 def indexer():

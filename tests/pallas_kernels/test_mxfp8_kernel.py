@@ -78,6 +78,21 @@ def test_bad_operands_are_named(bad, msg):
         matmul(x[:, : w2.shape[1]], w2, s2, backend="pallas", interpret=True)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_staged_scale_tiles_fill_the_tma_alignment(fmt):
+    """Each pipeline stage's scale tile (tk / block rows of 64 bytes) is at least 128 bytes, the
+    SMEM alignment TMA needs: a 64-byte tile (MXFP8 at tk = 32) put every second stage's copy
+    at a misaligned address (CUDA_ERROR_MISALIGNED_ADDRESS on the H200)."""
+    from pallas_kernels.mxfp8 import wdequant as wd
+
+    for m in (1, 8, 64, 300):
+        for k in (64, 128, 192, 4096):
+            p = wd.plan(m, 256, k, fmt)
+            assert p.tk // wd.SCALE_BLOCK[fmt] * 64 >= 128, (m, k, p)
+    with pytest.raises(ValueError, match="multiple"):
+        wd.plan(1, 256, 96, fmt)                   # the wrappers pad such K to a multiple of 64
+
+
 @pytest.mark.parametrize("m", [1, 64, 2048])
 def test_lowers_for_hopper(m):
     """Mosaic GPU lowering (layout inference included) for the decode and prefill tilings."""
