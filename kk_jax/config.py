@@ -231,8 +231,8 @@ class EngineConfig:
     decode_steps: int = 8                 # decode steps per device call (lax.while_loop)
     kernel_backend: str = "auto"          # auto (pallas on GPU, xla elsewhere) | pallas | xla
     kda_backend: str = "auto"             # KDA layers only: auto (= kernel_backend) | pallas | xla
-    dense_decode_backend: str = "xla"     # unquantized linears at decode (<= 64 rows): xla (XLA's GEMV) |
-                                          # pallas (weight-streaming kernel; faster alone at 1 row, not yet in a model)
+    dense_decode_backend: str = "xla"     # unquantized linears at batch-1 decode: xla (XLA's GEMV) | pallas
+                                          # (weight-streaming kernel: faster on its own, not yet measured in a model)
     seed: int = 0
     compilation_cache_dir: str | None = None
     load_mtp: bool = False                # also load the model's MTP (NextN) block, for speculative decoding

@@ -24,9 +24,7 @@ def matmul_kernel(x, w, *, out_dtype=None, interpret=False, **plan_overrides):
     if m > MAX_ROWS:
         raise ValueError(f"the weight-streaming kernel takes at most {MAX_ROWS} rows, got {m}")
     np_, kp = wd.round_up(n, wd.BN), wd.round_up(k, 64)
-    p = wd.plan(m, np_, kp, "bf16", **plan_overrides)
-    xp = wd.pad_cols(wd.pad_rows(x2, wd.round_up(m, p.bm)), kp)
     # N % 64 / K % 64 padding copies the weight (no real layer needs it).
     wp = wd.pad_cols(wd.pad_rows(w, np_), kp)
-    y = wd.wdequant_matmul((xp,), wp, (), fmt="bf16", p=p, out_dtype=out_dtype, interpret=interpret)
-    return wd.finish(y, p, m, n, out_dtype).reshape(*lead, n)
+    y = wd.matmul_padded("bf16", wd.pad_cols(x2, kp), wp, (), n, out_dtype, interpret, **plan_overrides)
+    return y.reshape(*lead, n)

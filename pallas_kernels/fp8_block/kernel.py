@@ -40,19 +40,17 @@ def matmul_kernel(x, w_q, w_scale_inv, *, block=DEFAULT_BLOCK, act_quant=False, 
     out_dtype = out_dtype or x.dtype
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    m, n = x2.shape[0], w_q.shape[0]
+    n = w_q.shape[0]
     np_ = wd.round_up(n, wd.BN)
     if act_quant:
         y = _w8a8(x2, w_q, w_scale_inv, np_, out_dtype, interpret, **plan_overrides)
         return y.reshape(*lead, n)
     kp = wd.round_up(k, 32)
-    p = wd.plan(m, np_, kp, "fp8_block", **plan_overrides)
-    xp = wd.pad_cols(wd.pad_rows(x2.astype(jnp.bfloat16), wd.round_up(m, p.bm)), kp)
     # N % 64 / K % 32 padding copies the weight (no real layer needs it).
     w = wd.pad_cols(wd.pad_rows(w_q, np_), kp)
-    y = wd.wdequant_matmul((xp,), w, (w_scale_inv,), fmt="fp8_block", p=p, out_dtype=out_dtype,
-                           interpret=interpret)
-    return wd.finish(y, p, m, n, out_dtype).reshape(*lead, n)
+    y = wd.matmul_padded("fp8_block", wd.pad_cols(x2.astype(jnp.bfloat16), kp), w, (w_scale_inv,), n, out_dtype,
+                         interpret, **plan_overrides)
+    return y.reshape(*lead, n)
 
 
 def _w8a8(x2, w_q, w_scale_inv, np_, out_dtype, interpret, **plan_overrides):

@@ -12,7 +12,8 @@ its quantized bytes: decode at batch 1 reads k experts, never the whole layer.
 
 Operands, E experts stacked, weights in the checkpoint's ``[out, in]`` orientation and the
 per-block scales of MXFP8 / NVFP4 transposed (``[in / block, out]``: one K block's scales for
-64 consecutive rows are contiguous, which the kernel loads every K step):
+64 consecutive rows are contiguous, so a K step's scales are one TMA tile); N a multiple of 64
+(block FP8: 128), K a multiple of 64 for MXFP8 / NVFP4 (the kernel does not pad K):
 
   nvfp4      w uint8 [E, N, K/2]; scales (weight_scale e4m3 [E, K/16, N], weight_scale_2 f32 [E])
   mxfp8      w e4m3  [E, N, K];   scales (weight_scale uint8 E8M0 [E, K/32, N],)

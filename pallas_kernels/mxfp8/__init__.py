@@ -5,7 +5,7 @@
   x        [..., K]  bf16 or f32 (enters the tensor cores as bf16)
   w_q      [N, K]    float8_e4m3fn
   w_scale  [K/32, N] uint8 E8M0, the checkpoint's [N, K/32] transposed (one K block's scales
-           for consecutive rows are contiguous, which the kernel loads every K step):
+           for consecutive rows are contiguous: a K step's scales are one TMA tile):
            w[n, k] = w_q[n, k] * 2^(w_scale[k // 32, n] - 127)
   returns  [..., N]  out_dtype (default x.dtype), fp32 accumulation
 

@@ -38,23 +38,24 @@ Dequantization per format (``fmt``):
   groups (the narrowest swizzle), each covering four 16-element scale blocks; a per-column
   select picks each element's block scale.
 
-* ``bf16``: plain weights, nothing to dequantize: the TMA'd weight tile is wgmma's A operand.
-  This is the weight-streaming decode matmul of unquantized linears
-  (``pallas_kernels.dense_matmul``).
+* ``bf16``: plain weights, nothing to dequantize: the TMA'd weight tile is wgmma's A operand
+  (``pallas_kernels.dense_matmul``, which unquantized linears use at decode when asked to:
+  ``dense_decode_backend="pallas"``).
 
 Constraints (the per-format wrappers pad what does not fit with ``pad_rows`` / ``pad_cols``):
 N a multiple of 64, K a multiple of ``tk``, M a multiple of ``bm``. Padding M or the
 activations is cheap; padding N or K copies the weight on every call, which only odd shapes
-(N = 1 in tests) need: real layers have N % 64 == 0 and K a multiple of the step.
+(N = 1 in tests, or a tensor-parallel MXFP8 shard whose K is an odd multiple of 32) need: real
+layers have N % 64 == 0 and K a multiple of 64.
 
 Staged scales and register operands against the earlier design, in which the per-row scale
 vectors were loaded from HBM one step ahead and the dequantized tile was written to SMEM for an
 SMEM-operand wgmma (one H200, 12288x4096, A/B in one process): MXFP8 0.95x at M = 1, 1.26x at
-M = 16, 1.41x at M = 64; NVFP4 1.17x at M = 1, 1.09x at M = 16. Mosaic GPU's CPU interpreter only models SMEM operands, so ``interpret=True`` (the CPU
-tests) runs the SMEM-operand form of the same step: the same staged scales and the same
-dequantization, written to a double-buffered SMEM tile; the register form is tested on the GPU
-(``pytest -m gpu``). Both wgmma operands use the same swizzle (64 bytes for the 32-column
-groups), which ``wgmma`` requires.
+M = 16, 1.41x at M = 64; NVFP4 1.17x at M = 1, 1.09x at M = 16. Mosaic GPU's CPU interpreter
+only models SMEM operands, so ``interpret=True`` (the CPU tests) runs the SMEM-operand form of
+the same step: the same staged scales and the same dequantization, written to a double-buffered
+SMEM tile; the register form is tested on the GPU (``pytest -m gpu``). Both wgmma operands use
+the same swizzle (64 bytes for the 32-column groups), which ``wgmma`` requires.
 """
 
 from __future__ import annotations
@@ -109,8 +110,9 @@ SCALE_BLOCK = {"mxfp8": 32, "nvfp4": 16}
 
 
 def smem_bytes(fmt: str, bm: int, tk: int, stages: int, out_bytes: int = 4) -> int:
-    """Shared memory of one CTA on the GPU: pipelined weight, activation and scale tiles, the
-    dequantized tiles (fp8_block only: the other formats feed wgmma from registers), output."""
+    """Shared memory of one CTA as compiled for the GPU: pipelined weight, activation and scale
+    tiles, the dequantized tiles (fp8_block only: MXFP8 / NVFP4 feed wgmma from registers, bf16
+    from its TMA tile), output."""
     w_step = BN * {"nvfp4": tk // 2, "bf16": 2 * tk}.get(fmt, tk)
     x_step = bm * tk * (1 if fmt == "fp8_w8a8" else 2)
     s_step = BN * tk // SCALE_BLOCK[fmt] if fmt in SCALE_BLOCK else 0
@@ -124,8 +126,10 @@ def plan(m: int, n: int, k: int, fmt: str, *, tk: int | None = None, splits: int
     """Tiles for an [m, k] x [n, k]^T product (n a multiple of 64, k of the chosen tk).
 
     ``fmt`` is mxfp8 / fp8_block / nvfp4 (dequantizing engine), bf16 (plain weights) or fp8_w8a8
-    (tk = 128). The
-    largest K step and pipeline depth that fit ``budget`` bytes of shared memory win.
+    (tk = 128). The largest K step and pipeline depth that fit ``budget`` bytes of shared memory
+    win. MXFP8 / NVFP4 steps are at least 64 wide: each stage's staged scale tile (tk / block rows
+    of 64 bytes) must fill TMA's 128-byte SMEM alignment (a 64-byte tile, MXFP8 at tk = 32, put
+    every second stage at a misaligned address: CUDA_ERROR_MISALIGNED_ADDRESS on the H200).
     ``row_tiles``: the number of row tiles when it is not ceil(m / bm) (grouped calls: m is
     one tile's rows), for sizing the K split."""
     decode = m <= 64
@@ -138,11 +142,13 @@ def plan(m: int, n: int, k: int, fmt: str, *, tk: int | None = None, splits: int
         cands = (256, 128, 64, 32)
     else:
         cands = (64, 32)
-    if fmt in SCALE_BLOCK:   # a staged scale tile (tk / block rows of 64 bytes) must fill TMA's 128-byte alignment
+    if fmt in SCALE_BLOCK:
         cands = tuple(c for c in cands if c >= 64) or (64,)
     if fmt == "fp8_block":
         cands = tuple(c for c in cands if c <= 128)
     if tk is not None:
+        if fmt in SCALE_BLOCK and tk < 64:
+            raise ValueError(f"{fmt} needs a K step of at least 64 (staged scale tiles), got tk={tk}")
         cands = (tk,)
     depths = (stages,) if stages is not None else ((4, 3, 2) if decode else (3, 2))
     # decode: deepest pipeline first (bytes in flight), then the widest step; prefill: widest step first
@@ -181,17 +187,28 @@ def _e2m1_times_2m14(codes_i16):
     return lax.bitcast_convert_type(lax.bitwise_or(bits, sign), jnp.float16)
 
 
+def scale_shapes(fmt: str, n: int, k: int, experts: int | None = None) -> list[tuple]:
+    """Shapes of ``wdequant_matmul``'s scale operands for padded [N, K] weights (grouped form:
+    ``experts`` matrices stacked); an unknown format gets none (the kernel rejects it)."""
+    if fmt == "fp8_block":
+        return [((experts or 1) * -(-n // 128), -(-k // 128))]
+    if fmt in SCALE_BLOCK:
+        blocks = (k // SCALE_BLOCK[fmt], n) if experts is None else (experts, k // SCALE_BLOCK[fmt], n)
+        return [blocks] + ([(experts or 1,)] if fmt == "nvfp4" else [])
+    return []
+
+
 def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=None, expert_n=None,
                     interpret=False):
     """Runs the kernel on padded operands.
 
-    xs      mxfp8/fp8_block: (x [Mp, K] bf16,);  nvfp4: (x_even, x_odd) each [Mp, K/2] bf16
+    xs      mxfp8/fp8_block/bf16: (x [Mp, K] bf16,);  nvfp4: (x_even, x_odd) each [Mp, K/2] bf16
     w       [N, K] e4m3 (mxfp8, fp8_block), [N, K/2] uint8 (nvfp4) or [N, K] bf16 (bf16)
     scales  mxfp8: (weight_scale uint8 [K/32, N],); fp8_block: (weight_scale_inv f32 [N/128, K/128],);
-            nvfp4: (weight_scale e4m3 [K/16, N], weight_scale_2 f32 [1]); bf16: (); the per-block scales of
-            mxfp8 / nvfp4 transposed from the checkpoint's [N, K/b] so that a step's scale vector
-            for 64 rows is 64 contiguous bytes (H200: decode kernels 1.13-1.22x faster than with
-            strided loads)
+            nvfp4: (weight_scale e4m3 [K/16, N], weight_scale_2 f32 [1]); bf16: (). The per-block
+            scales of mxfp8 / nvfp4 are transposed from the checkpoint's [N, K/b]: a step's scales
+            for 64 rows are then one [tk/b, 64] TMA tile of 64-byte rows (in the checkpoint layout
+            its rows would be 2-8 bytes, below TMA's 16-byte minimum)
     returns [Mp, N] out_dtype (splits == 1) or [splits, Mp, N] f32 partials
 
     Grouped form (MoE experts), ``tile_expert`` int32 [Mp / bm]: row tile t of x is multiplied
@@ -214,6 +231,10 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
     staged = fmt in SCALE_BLOCK                  # per-block scales come through the pipeline
     register_a = staged and not interpret        # dequantized tiles feed wgmma from registers
     dequantized_smem = fmt == "fp8_block" or (staged and interpret)
+    want = scale_shapes(fmt, n, k, w.shape[0] // n if grouped else None)
+    if [tuple(a.shape) for a in scales] != want:
+        raise ValueError(f"{fmt} scales {[tuple(a.shape) for a in scales]} do not match the padded operands "
+                         f"(expected {want})")
 
     if fmt == "mxfp8":
         groups, gw = tk // 32, 32                    # 32-column groups, one scale each
@@ -232,7 +253,7 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
         w_block, w_tr = (BN, half), smem_tile(jnp.uint8, half, swizzle=32)
         x_blocks = [(bm, half), (bm, half)]
         op_tr = smem_tile(bf16, half, swizzle=64)
-        wdq_shape = (2, 2, BN, half)
+        wdq_shape = (2, 2, BN, half)         # (mxfp8 / nvfp4: allocated only for the interpreter)
     elif fmt == "bf16":
         w_block, w_tr = (BN, tk), smem_tile(bf16, tk)
         x_blocks = [(bm, tk)]
@@ -253,7 +274,6 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
         k0 = ks * nk                                 # first K step of this split
         e = te_gmem[mb] if grouped else 0            # expert of this row tile
         wb = e * (n // BN) + nb                      # weight row block
-
 
         def tile():
             def step_scales(s_smem):
@@ -320,8 +340,7 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
                              for blk in x_blocks]
                 srcs = [w_gmem, *x_gmem]
                 if staged:
-                    in_specs.append(plgpu.BlockSpec((tk // SCALE_BLOCK[fmt], BN),
-                                                    lambda kk: (k0 + kk, nb if grouped else wb)))
+                    in_specs.append(plgpu.BlockSpec((tk // SCALE_BLOCK[fmt], BN), lambda kk: (k0 + kk, nb)))
                     srcs.append(s_gmem[0].at[e] if grouped else s_gmem[0])
                 plgpu.emit_pipeline(body, grid=(nk,), in_specs=in_specs, max_concurrent_steps=stages)(*srcs)
                 plgpu.wgmma_wait(0)
@@ -362,6 +381,20 @@ def store_tile(acc_t, o_smem, o_gmem, ks, splits: int, rows, cols) -> None:
     dst = o_gmem.at[ks] if splits > 1 else o_gmem
     plgpu.copy_smem_to_gmem(o_smem, dst.at[rows, cols])
     plgpu.wait_smem_to_gmem(0)
+
+
+def matmul_padded(fmt: str, x2, w, scales, n: int, out_dtype, interpret=False, **plan_overrides):
+    """The dense (non-grouped) call of the per-format wrappers: ``x2`` [m, Kp] bf16 with K already
+    padded like ``w`` [Np, Kp'] and ``scales`` (N a multiple of 64, K of the format's smallest K
+    step) -> [m, n] out_dtype.
+    Plans the tiling, pads the rows of x to the token tile, splits x into its even and odd
+    columns for NVFP4, runs :func:`wdequant_matmul` and sums split-K partials."""
+    m, kp = x2.shape
+    p = plan(m, w.shape[0], kp, fmt, **plan_overrides)
+    xp = pad_rows(x2, round_up(m, p.bm))
+    xs = (xp[:, 0::2], xp[:, 1::2]) if fmt == "nvfp4" else (xp,)
+    y = wdequant_matmul(xs, w, scales, fmt=fmt, p=p, out_dtype=out_dtype, interpret=interpret)
+    return finish(y, p, m, n, out_dtype)
 
 
 def finish(y, p: Plan, m: int, n: int, out_dtype):

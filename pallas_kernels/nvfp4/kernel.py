@@ -18,16 +18,11 @@ def matmul_kernel(x, w_q, w_scale, w_scale_2, *, out_dtype=None, interpret=False
     out_dtype = out_dtype or x.dtype
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k).astype(jnp.bfloat16)
-    m, n = x2.shape[0], w_q.shape[0]
+    n = w_q.shape[0]
     np_, kp = wd.round_up(n, wd.BN), wd.round_up(k, 64)
-    p = wd.plan(m, np_, kp, "nvfp4", **plan_overrides)
-    mp = wd.round_up(m, p.bm)
-    xp = wd.pad_cols(wd.pad_rows(x2, mp), kp)
-    x_even, x_odd = xp[:, 0::2], xp[:, 1::2]
     # N / K padding copies the weight: only for shapes no real layer has (N % 64, K % 64).
     w = wd.pad_cols(wd.pad_rows(w_q, np_), kp // 2)
     s = wd.pad_cols(wd.pad_rows(w_scale, kp // 16), np_)
     s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
-    y = wd.wdequant_matmul((x_even, x_odd), w, (s, s2), fmt="nvfp4", p=p, out_dtype=out_dtype,
-                           interpret=interpret)
-    return wd.finish(y, p, m, n, out_dtype).reshape(*lead, n)
+    y = wd.matmul_padded("nvfp4", wd.pad_cols(x2, kp), w, (s, s2), n, out_dtype, interpret, **plan_overrides)
+    return y.reshape(*lead, n)

@@ -179,6 +179,7 @@ def test_kda_backend_is_fixed_per_engine_and_checked(ckpt, llm):
         LLM(ckpt, kda_backend="triton", **LIMITS)
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the refusal on a machine without a GPU")
 def test_dense_decode_backend_is_checked(ckpt, llm):
     """--dense-decode-backend: xla by default; pallas is refused without a GPU before loading."""
     assert llm.engine.runner.dense_backend == "xla"

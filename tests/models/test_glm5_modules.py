@@ -189,7 +189,7 @@ def test_kernel_path_needs_whole_kernel_tiles():
         return (jnp.zeros((2, n, k), jnp.float8_e4m3fn), jnp.zeros((2, k // 32, n), jnp.uint8))
 
     assert kernel_takes(("mxfp8",) * 3, (128, 128), (mx(64, 128), mx(64, 128), mx(128, 64)))
-    assert not kernel_takes(("mxfp8",) * 3, (128, 128), (mx(64, 96), mx(64, 96), mx(96, 64)))     # K % 64
+    assert not kernel_takes(("mxfp8",) * 3, (128, 128), (mx(64, 96), mx(64, 96), mx(128, 64)))    # K % 64
 
 
 @pytest.fixture(scope="module")

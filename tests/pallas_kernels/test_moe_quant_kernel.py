@@ -123,14 +123,15 @@ def test_bad_operands_are_named():
         grouped_matmul(x, te, "nvfp4", ops[0], ops[1][:, :2], ops[2], backend="pallas")
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
 @pytest.mark.parametrize("rows", [9 * 8, 352 * 8])
-def test_lowers_for_hopper(rows):
+def test_lowers_for_hopper(rows, fmt):
     e, n, k = 288, 2048, 4096
-    f = lambda x, te, w, s, s2: grouped_matmul(x, te, "nvfp4", w, s, s2)
-    jax.jit(f).trace(jax.ShapeDtypeStruct((rows, k), jnp.bfloat16), jax.ShapeDtypeStruct((rows // 8,), jnp.int32),
-                     jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8),
-                     jax.ShapeDtypeStruct((e, k // 16, n), jnp.float8_e4m3fn),
-                     jax.ShapeDtypeStruct((e,), jnp.float32)).lower(lowering_platforms=("cuda",))
+    S = jax.ShapeDtypeStruct
+    ops = ((S((e, n, k // 2), jnp.uint8), S((e, k // 16, n), jnp.float8_e4m3fn), S((e,), jnp.float32))
+           if fmt == "nvfp4" else (S((e, n, k), jnp.float8_e4m3fn), S((e, k // 32, n), jnp.uint8)))
+    f = lambda x, te, *o: grouped_matmul(x, te, fmt, *o)
+    jax.jit(f).trace(S((rows, k), jnp.bfloat16), S((rows // 8,), jnp.int32), *ops).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
 """pallas_kernels.mxfp8: kernel (Mosaic GPU interpret mode) <-> jnp twin <-> NumPy oracle.
 
 The oracle decodes e4m3 / E8M0 bytes itself (tests/quant/quant_oracle.py). Shapes cover
-M = 1, N = 1 (padded to the 64-row tile), K not a multiple of the K step, the split-K decode
+M = 1, N = 1 (padded to the 64-row tile), K not a multiple of 64 (padded), the split-K decode
 path and the prefill path. The kernels are also lowered for CUDA (Mosaic GPU's layout
 inference and lowering run on CPU), which catches code that interpret mode accepts but the
 H200 compiler would not.
@@ -43,7 +43,7 @@ def test_reference_matches_oracle(m, n, k):
 
 @pytest.mark.parametrize("m,n,k,overrides", [
     (1, 64, 64, {}),                           # M = 1, one K step
-    (5, 1, 96, {}),                            # N = 1 row; K = 96 not a multiple of the 128/256 step
+    (5, 1, 96, {}),                            # N = 1 row; K = 96 padded to 128
     (8, 128, 512, dict(tk=128, splits=2)),    # decode: split-K partials summed by the wrapper
     (72, 64, 128, {}),                         # prefill tiling (bm = 128)
 ])
@@ -89,8 +89,11 @@ def test_staged_scale_tiles_fill_the_tma_alignment(fmt):
         for k in (64, 128, 192, 4096):
             p = wd.plan(m, 256, k, fmt)
             assert p.tk // wd.SCALE_BLOCK[fmt] * 64 >= 128, (m, k, p)
+    assert wd.plan(64, 256, 4096, fmt, budget=1).tk >= 64      # nothing fits: still no narrower step
     with pytest.raises(ValueError, match="multiple"):
         wd.plan(1, 256, 96, fmt)                   # the wrappers pad such K to a multiple of 64
+    with pytest.raises(ValueError, match="at least 64"):
+        wd.plan(1, 256, 4096, fmt, tk=32)
 
 
 @pytest.mark.parametrize("m", [1, 64, 2048])

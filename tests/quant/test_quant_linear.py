@@ -223,9 +223,10 @@ def dense_linear(n, k, axes, seed=0, dtype=jnp.bfloat16):
 
 
 def test_dense_linear_decode_rows_run_the_weight_streaming_kernel(monkeypatch):
-    """An unquantized linear on the pallas dense backend: decode-sized inputs (<= 64 rows) go
-    through pallas_kernels.dense_matmul (Mosaic GPU interpreter here), larger ones and shapes
-    the kernel would have to pad stay on XLA's dot; all give the einsum's result."""
+    """An unquantized linear on the pallas dense backend: a one-row bf16 input (batch-1 decode)
+    goes through pallas_kernels.dense_matmul (Mosaic GPU interpreter here); more rows, float32
+    inputs and shapes the kernel would have to pad stay on XLA's dot; all give the einsum's
+    result."""
     import kk_jax.models.layers.linear as linear_mod
 
     calls = []
@@ -233,14 +234,15 @@ def test_dense_linear_decode_rows_run_the_weight_streaming_kernel(monkeypatch):
     monkeypatch.setattr(linear_mod, "_kernel_call", lambda method, x2, ops, **kw: (
         calls.append((method, x2.shape)), real(method, x2, ops, **kw))[1])
     lin = dense_linear(128, 192, ("heads", "embed"))
-    x = jax.random.normal(jax.random.key(3), (2, 3, 192), jnp.float32).astype(jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(3), (1, 1, 192), jnp.float32).astype(jnp.bfloat16)
     want = lin(x)                                              # xla backend: XLA's dot
     assert not calls
     lin.backend, lin.interpret = "pallas", True
     y = lin(x)
-    assert calls == [(None, (6, 192))] and y.shape == (2, 3, 128) and y.dtype == jnp.bfloat16
+    assert calls == [(None, (1, 192))] and y.shape == (1, 1, 128) and y.dtype == jnp.bfloat16
     assert rel_err(y, want.astype(jnp.float32)) < 1e-2
-    lin(jnp.zeros((65, 192), jnp.bfloat16))                   # prefill-sized: XLA
+    lin(jnp.zeros((2, 192), jnp.bfloat16))                    # more than one row: XLA
+    lin(x.astype(jnp.float32))                                 # float32 activations: XLA
     odd = dense_linear(96, 192, ("heads", "embed"))            # 96 rows: not whole 64-row tiles
     odd.backend, odd.interpret = "pallas", True
     odd(x)
@@ -249,8 +251,9 @@ def test_dense_linear_decode_rows_run_the_weight_streaming_kernel(monkeypatch):
 
 @pytest.mark.parametrize("axes", [("heads", "embed"), ("embed", "heads")], ids=["column", "row"])
 def test_dense_kernel_path_per_shard_at_tp2(monkeypatch, axes):
-    """At tp=2 the dense kernel runs per shard inside jax.shard_map (twin per shard, as above);
-    a shard holding a partial tile (N or K / 2 not a multiple of 64) stays on XLA."""
+    """At tp=2 the dense kernel runs per shard inside jax.shard_map (the per-shard kernel replaced
+    by its jnp twin, as in the quantized test above); a shard holding a partial tile (N or K / 2
+    not a multiple of 64) stays on XLA."""
     import kk_jax.models.layers.linear as linear_mod
 
     seen = []
@@ -266,10 +269,10 @@ def test_dense_kernel_path_per_shard_at_tp2(monkeypatch, axes):
     quantize_linears(lin, None, dense_backend="pallas", mesh=mesh)
     assert (lin.backend, lin.mesh) == ("pallas", mesh)
     lin.weight.value = jax.device_put(lin.weight.value, NamedSharding(mesh, spec(axes)))
-    x = jax.random.normal(jax.random.key(5), (4, 256), jnp.float32).astype(jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(5), (1, 256), jnp.float32).astype(jnp.bfloat16)
     y = jax.jit(lambda x: lin(x))(x)
     local = (128, 256) if axes[0] == "heads" else (256, 128)
-    assert seen == [(None, (4, local[1]), local)]
+    assert seen == [(None, (1, local[1]), local)]
     want = np.asarray(x, np.float64) @ np.asarray(lin.weight.value, np.float64).T
     assert rel_err(y, want) < 1e-2
     f32 = dense_linear(256, 256, axes, dtype=jnp.float32)     # float32 weights: XLA
@@ -279,3 +282,23 @@ def test_dense_kernel_path_per_shard_at_tp2(monkeypatch, axes):
     quantize_linears(small, None, dense_backend="pallas", mesh=mesh)
     small(jnp.ones((1, 64), jnp.bfloat16))
     assert len(seen) == 1
+
+
+def test_prepare_linears_gives_unquantized_linears_the_dense_backend():
+    """The engine's dense_decode_backend reaches plain and fused unquantized linears (with the
+    mesh); quantized ones keep the kernel backend."""
+    from kk_jax.models.qwen3 import Qwen3ForCausalLM
+    from kk_jax.config import Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6,
+                      rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=True)
+    mesh = make_mesh(1)
+    model = nnx.eval_shape(lambda: prepare_linears(Qwen3ForCausalLM(cfg, jnp.bfloat16), None, backend="pallas",
+                                                   mesh=mesh, dense_backend="xla"))
+    kinds = {type(m).__name__: (m.backend, m.mesh) for _, m in nnx.iter_modules(model)
+             if isinstance(m, (Linear, FusedLinear))}
+    assert kinds == {"Linear": ("xla", mesh), "FusedLinear": ("xla", mesh)}
+    model = nnx.eval_shape(lambda: prepare_linears(Qwen3ForCausalLM(cfg, jnp.bfloat16), None, mesh=mesh,
+                                                   dense_backend="pallas"))
+    assert {m.backend for _, m in nnx.iter_modules(model) if isinstance(m, (Linear, FusedLinear))} == {"pallas"}

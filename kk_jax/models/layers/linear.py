@@ -18,15 +18,18 @@ quantized layers *before anything is loaded* (the model code never changes with 
 
 On the device every tensor keeps its checkpoint layout except the MXFP8 / NVFP4 block scales,
 held transposed (``[K/32 or K/16, N]``, :data:`TRANSPOSED_SCALES`; the loader transposes them
-while placing them): the dequantizing kernels read one K block's scales for 64 consecutive
-rows every step, which is then 64 contiguous bytes (H200: 1.13-1.22x faster decode kernels
-than strided loads from the checkpoint layout).
+while placing them): the dequantizing kernels copy each K step's scales for 64 consecutive rows
+into shared memory with the weight tile, one TMA tile whose rows are then 64 contiguous bytes
+(in the checkpoint layout they would be 2-8 bytes, below TMA's 16-byte minimum).
 
 The call is the same for every method: ``y = linear(x)``, x ``[..., K]`` -> ``[..., N]`` in
 x's dtype with fp32 accumulation. Quantized weights stay quantized in device memory and are
 dequantized inside ``pallas_kernels.{fp8_block,mxfp8,nvfp4}.matmul`` (``backend="pallas"``,
 inside ``jax.shard_map`` over ``tp``) or by their jnp twins (``backend="xla"``, partitioned by
 XLA). Block FP8 runs W8A16 unless ``act_quant`` asks for the release's W8A8 numerics.
+Unquantized weights run XLA's dot, or at batch-1 decode the weight-streaming
+``pallas_kernels.dense_matmul`` when the engine's ``dense_decode_backend`` is pallas
+(:func:`dense_kernel_takes`).
 
 :class:`FusedLinear` computes several projections of the same input as one matmul along N
 (an MLP's gate and up, an attention's q, k and v: :func:`fuse_projections`). Its weight is the
@@ -52,7 +55,8 @@ from kk_jax.quant.config import OPTIONAL_TENSORS, QuantConfig
 E4M3 = jnp.float8_e4m3fn
 # Quantization tensors held transposed on the device (see the module docstring)
 TRANSPOSED_SCALES = ("weight_scale",)
-# The tensors a quantized matmul takes, in order (what the kernels' and jnp twins' arguments are)
+# The tensors a linear's kernel call takes, in order (the kernels' and jnp twins' arguments;
+# None: an unquantized weight, for the dense kernel)
 OPERANDS = {None: ("weight",), "fp8_block": ("weight", "weight_scale_inv"), "mxfp8": ("weight", "weight_scale"),
             "nvfp4": ("weight", "weight_scale", "weight_scale_2")}
 
@@ -248,18 +252,17 @@ def quantize_linears(model: nnx.Module, qcfg: QuantConfig | None, *, tensor_name
             opt = _optional(method, [m for m, _ in module.members], names)
             module.quantize_(method, block=qcfg.block if qcfg else (128, 128), optional=opt, backend=backend,
                              mesh=mesh, act_quant=act_quant, interpret=interpret, name=name)
-            if method:
-                done.append(name)
-            else:
-                module.backend, module.mesh, module.interpret = dense_backend, mesh, interpret
         elif isinstance(module, Linear):
             method = qcfg.method_for(name, names) if qcfg is not None else None
             if method:
                 module.quantize_(method, block=qcfg.block, optional=_optional(method, [name], names),
                                  backend=backend, mesh=mesh, act_quant=act_quant, interpret=interpret, name=name)
-                done.append(name)
-            else:
-                module.backend, module.mesh, module.interpret = dense_backend, mesh, interpret
+        else:
+            continue
+        if method:
+            done.append(name)
+        else:                       # unquantized: decode-sized inputs on the dense backend
+            module.backend, module.mesh, module.interpret = dense_backend, mesh, interpret
     if problems:
         raise QuantLayoutError(f"{len(problems)} fused projection(s) mix quantization formats "
                                "(nothing was loaded):\n  " + "\n  ".join(problems))
@@ -372,20 +375,24 @@ def _check_tp_layout(method, n, k, axes, mesh, block) -> None:
 KERNEL_MAX_ROWS = 1024
 
 
+# Rows up to which unquantized linears on the pallas dense backend use the weight-streaming
+# kernel: one H200 timed it 1.03-1.46x faster than XLA's GEMV at one row on three of Qwen3-8B's
+# four decode matmuls (0.97x on the fourth) and 0.91-1.03x from 8 rows, where XLA runs a GEMM.
+DENSE_KERNEL_MAX_ROWS = 1
+
+
 def dense_kernel_takes(linear, x: jax.Array) -> bool:
     """Whether an unquantized linear runs ``x`` through the weight-streaming Pallas kernel
-    (``pallas_kernels.dense_matmul``): its backend is pallas, its weight bf16, ``x`` has at most the
-    kernel's row limit (a decode batch; prefill stays on XLA's GEMM) and each tensor-parallel shard
-    holds whole 64-row, 64-column tiles (otherwise the kernel would pad, i.e. copy, the weight
-    every call)."""
-    from pallas_kernels.dense_matmul import MAX_ROWS
-
-    if (linear.backend != "pallas" or math.prod(x.shape[:-1]) > MAX_ROWS
-            or linear.weight[...].dtype != jnp.bfloat16):
+    (``pallas_kernels.dense_matmul``): its backend is pallas, weight and input are bf16, ``x`` has
+    at most DENSE_KERNEL_MAX_ROWS rows (batch-1 decode) and each tensor-parallel shard holds
+    whole 64-row, 64-column tiles (otherwise the kernel would pad, i.e. copy, the weight every
+    call)."""
+    if (linear.backend != "pallas" or math.prod(x.shape[:-1]) > DENSE_KERNEL_MAX_ROWS
+            or x.dtype != jnp.bfloat16 or linear.weight[...].dtype != jnp.bfloat16):
         return False
-    n = linear.out_features // _tp_shards(linear.axes, linear.mesh, 0)
-    k = linear.in_features // _tp_shards(linear.axes, linear.mesh, 1)
-    return n % 64 == 0 and k % 64 == 0
+    s0, s1 = _tp_shards(linear.axes, linear.mesh, 0), _tp_shards(linear.axes, linear.mesh, 1)
+    n, k = linear.out_features, linear.in_features
+    return n % s0 == 0 and k % s1 == 0 and (n // s0) % 64 == 0 and (k // s1) % 64 == 0
 
 
 def _kernel_call(method, x2, ops, *, block, backend, act_quant, interpret, out_dtype):
