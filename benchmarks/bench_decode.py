@@ -6,8 +6,8 @@ already hold ``--context`` tokens of KV. Reported per decode step: time, tokens/
 roofline time (bytes of weights + KV read per step / 4.2 TB/s) and its ratio, and host time
 (packing/unpacking arrays) as a share of the step. Both attention backends (Pallas kernel and
 the jnp twin) run in the same process for a side-by-side number, and with
-``--dense-decode-backends pallas xla`` the unquantized linears' decode matmuls on the Pallas
-weight-streaming kernel and on XLA's GEMV.
+``--dense-decode-backends pallas xla`` the unquantized linears' batch-1 decode matmuls on the
+Pallas weight-streaming kernel and on XLA's GEMV.
 
     python benchmarks/bench_decode.py --batch 1 8 64 --context 1024 --json out.json
     python benchmarks/bench_decode.py --tiny          # CPU smoke run with a tiny shape
