@@ -82,7 +82,19 @@ def bench(cfg, backend, batches, context, steps, iters, page_size, tp, trace_dir
         rows_out.append(dict(backend=runner.backend, dense=runner.dense_backend, batch=b, context=context, step_ms=wall * 1e3,
                              tok_per_s=b / wall, roofline_ms=roof * 1e3, roofline_frac=roof / wall,
                              host_frac=host / wall, compile_s=compile_s))
+        print_row(rows_out[-1])
     return rows_out
+
+
+HEADER = (f"{'backend':8} {'dense':6} {'batch':>5} {'ctx':>6} {'step ms':>9} {'tok/s':>10} {'roof ms':>9} "
+          f"{'%roof':>6} {'host%':>6}")
+
+
+def print_row(r) -> None:
+    """One result line, printed as soon as it is measured (a time limit keeps what was done)."""
+    print(f"{r['backend']:8} {r['dense']:6} {r['batch']:5d} {r['context']:6d} {r['step_ms']:9.3f} "
+          f"{r['tok_per_s']:10.1f} {r['roofline_ms']:9.3f} {100 * r['roofline_frac']:6.1f} "
+          f"{100 * r['host_frac']:6.2f}", flush=True)
 
 
 def main():
@@ -104,17 +116,14 @@ def main():
     cfg = TINY if args.tiny else QWEN3_8B
     if args.layers:
         cfg = Qwen3Config(**{**cfg.__dict__, "num_hidden_layers": args.layers})
+    print(f"device: {jax.devices()[0].device_kind}  model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}")
+    print(HEADER, flush=True)
     results = []
     for backend in args.backends:
         for dense in args.dense_decode_backends:
             first = backend == args.backends[0] and dense == args.dense_decode_backends[0]
             results += bench(cfg, backend, args.batch, args.context, args.steps, args.iters, args.page_size,
                              args.tp, trace_dir=args.trace if first else None, dense=dense)
-    print(f"device: {jax.devices()[0].device_kind}  model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}")
-    print(f"{'backend':8} {'dense':6} {'batch':>5} {'ctx':>6} {'step ms':>9} {'tok/s':>10} {'roof ms':>9} {'%roof':>6} {'host%':>6}")
-    for r in results:
-        print(f"{r['backend']:8} {r['dense']:6} {r['batch']:5d} {r['context']:6d} {r['step_ms']:9.3f} {r['tok_per_s']:10.1f} "
-              f"{r['roofline_ms']:9.3f} {100 * r['roofline_frac']:6.1f} {100 * r['host_frac']:6.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
