@@ -3,10 +3,10 @@
 
     y[M, N] = x[M, K] (bf16) @ dequant(w)[N, K]^T      fp32 accumulation
 
-Used by ``pallas_kernels.{mxfp8,fp8_block,nvfp4,dense_matmul}``. Hopper has no block-scaled tensor-core
-instruction, so each CTA streams its quantized weight tile HBM -> SMEM with TMA (the MXFP8 /
-NVFP4 per-block scales of the tile with it, as a [tk / block, 64] tile of the transposed scale
-array), dequantizes it in registers (exact bit tricks, below) and feeds the bf16 values to
+Used by ``pallas_kernels.{mxfp8,fp8_block,nvfp4,dense_matmul}``. Hopper has no block-scaled
+tensor-core instruction, so each CTA streams its quantized weight tile HBM -> SMEM with TMA (the
+MXFP8 / NVFP4 per-block scales of the tile with it, as a [tk / block, 64] tile of the transposed
+scale array), dequantizes it in registers (exact bit tricks, below) and feeds the bf16 values to
 ``wgmma`` straight from registers (block FP8: through SMEM). The product is "swapped" (A =
 weight rows, B = tokens): the accumulator is ``[64 weight rows, bm tokens]``, so a decode batch
 of 1..64 tokens sits in wgmma's N dimension (multiple of 8) instead of being padded to M = 64.
@@ -147,7 +147,7 @@ def plan(m: int, n: int, k: int, fmt: str, *, tk: int | None = None, splits: int
     if fmt == "fp8_block":
         cands = tuple(c for c in cands if c <= 128)
     if tk is not None:
-        if fmt in SCALE_BLOCK and tk < 64:
+        if fmt in SCALE_BLOCK and tk < 64:      # see the docstring
             raise ValueError(f"{fmt} needs a K step of at least 64 (staged scale tiles), got tk={tk}")
         cands = (tk,)
     depths = (stages,) if stages is not None else ((4, 3, 2) if decode else (3, 2))
@@ -293,6 +293,7 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
                 bj = plgpu.layout_cast(bj, WGMMA).astype(jnp.int16)
                 lo = lax.bitwise_and(bj, jnp.int16(15))
                 hi = lax.shift_right_logical(bj, jnp.int16(4))
+                # byte column c holds elements 2c, 2c+1 of block c // 8
                 col = plgpu.broadcasted_iota(jnp.int32, (BN, gw), 1, layout=WGMMA)
                 s = lax.broadcast_in_dim(sc[4 * j + 3], (BN, gw), [0])
                 for i in (2, 1, 0):
