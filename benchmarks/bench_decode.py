@@ -106,8 +106,8 @@ def main():
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--backends", nargs="+", default=["pallas", "xla"])
-    ap.add_argument("--dense-decode-backends", nargs="+", default=["xla"],
-                    help="unquantized linears at decode, per kernel backend: xla | pallas (several: A/B)")
+    ap.add_argument("--dense-decode-backends", nargs="+", default=["auto"],
+                    help="unquantized linears at decode, per kernel backend: auto | pallas | xla (several: A/B)")
     ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     ap.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke run)")
     ap.add_argument("--trace", default=None, help="write a jax.profiler trace of one call at the largest batch")

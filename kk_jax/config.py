@@ -231,7 +231,7 @@ class EngineConfig:
     decode_steps: int = 8                 # decode steps per device call (lax.while_loop)
     kernel_backend: str = "auto"          # auto (pallas on GPU, xla elsewhere) | pallas | xla
     kda_backend: str = "auto"             # KDA layers only: auto (= kernel_backend) | pallas | xla
-    dense_decode_backend: str = "xla"     # unquantized linears at batch-1 decode: xla (XLA's GEMV) | pallas
+    dense_decode_backend: str = "auto"   # unquantized linears at batch-1 decode: auto (pallas with the Pallas kernels on a GPU) | pallas | xla
                                           # (weight-streaming kernel: faster on its own, not yet measured in a model)
     seed: int = 0
     compilation_cache_dir: str | None = None
@@ -251,8 +251,8 @@ class EngineConfig:
         for name in ("kernel_backend", "kda_backend"):
             if getattr(self, name) not in ("auto", "pallas", "xla"):
                 raise ConfigError(f"{name} must be auto, pallas or xla, got {getattr(self, name)!r}")
-        if self.dense_decode_backend not in ("pallas", "xla"):
-            raise ConfigError(f"dense_decode_backend must be pallas or xla, got {self.dense_decode_backend!r}")
+        if self.dense_decode_backend not in ("auto", "pallas", "xla"):
+            raise ConfigError(f"dense_decode_backend must be auto, pallas or xla, got {self.dense_decode_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.decode_steps < 1:

@@ -27,7 +27,7 @@ class LLM:
                  max_num_batched_tokens: int | None = None,
                  num_pages: int | None = None, gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto",
                  page_size: int = 16, decode_steps: int = 8, kernel_backend: str = "auto",
-                 kda_backend: str = "auto", dense_decode_backend: str = "xla", seed: int = 0,
+                 kda_backend: str = "auto", dense_decode_backend: str = "auto", seed: int = 0,
                  scan_layers: bool = True,
                  load_mtp: bool = False, fp8_activations: bool = False, profile_dir: str | Path | None = None,
                  progress: bool = True):

@@ -31,9 +31,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kernel-backend", default="auto", choices=["auto", "pallas", "xla"])
     ap.add_argument("--kda-backend", default="auto", choices=["auto", "pallas", "xla"],
                     help="KDA layers only (GLM-5.3); auto follows --kernel-backend; fixed for the server's lifetime")
-    ap.add_argument("--dense-decode-backend", default="xla", choices=["pallas", "xla"],
-                    help="unquantized linears at batch-1 decode: xla = XLA's GEMV (default), pallas = the "
-                         "weight-streaming Mosaic GPU kernel (faster on its own; not yet measured in a model)")
+    ap.add_argument("--dense-decode-backend", default="auto", choices=["auto", "pallas", "xla"],
+                    help="unquantized linears at batch-1 decode: pallas = the weight-streaming Mosaic GPU "
+                         "kernel, xla = XLA's GEMV; auto (default) = pallas when --kernel-backend resolves "
+                         "to pallas on a GPU")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
                     help="compile every layer on its own instead of scanning repeating layer groups "

@@ -10,8 +10,8 @@ A decode step reads every weight once for a handful of tokens, so its matmuls ar
 HBM bandwidth. backend="pallas" runs the dequantizing engine's weight-streaming tiling
 (``pallas_kernels/mxfp8/wdequant.py``, format ``bf16``: TMA-pipelined 64-row weight tiles,
 swapped wgmma with the tokens in its N dimension, K split over CTAs) for M <= 64 rows.
-Unquantized linears use it at batch-1 decode when the engine's ``dense_decode_backend`` is
-pallas (faster than XLA's GEMV at one row, not from 8 rows: ``kernel.py``). backend="xla" is
+Unquantized linears use it at batch-1 decode when the engine's ``dense_decode_backend`` resolves
+to pallas, the default on a GPU (faster than XLA's GEMV at one row, not from 8 rows: ``kernel.py``). backend="xla" is
 the jnp twin (XLA's dot).
 interpret=True runs the kernel in Mosaic GPU interpret mode (CPU).
 """

@@ -39,8 +39,8 @@ Dequantization per format (``fmt``):
   select picks each element's block scale.
 
 * ``bf16``: plain weights, nothing to dequantize: the TMA'd weight tile is wgmma's A operand
-  (``pallas_kernels.dense_matmul``, which unquantized linears use at decode when asked to:
-  ``dense_decode_backend="pallas"``).
+  (``pallas_kernels.dense_matmul``, which unquantized linears use at decode by default on a GPU:
+  ``dense_decode_backend``).
 
 Constraints (the per-format wrappers pad what does not fit with ``pad_rows`` / ``pad_cols``):
 N a multiple of 64, K a multiple of ``tk``, M a multiple of ``bm``. Padding M or the

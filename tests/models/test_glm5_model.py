@@ -181,12 +181,13 @@ def test_kda_backend_is_fixed_per_engine_and_checked(ckpt, llm):
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the refusal on a machine without a GPU")
 def test_dense_decode_backend_is_checked(ckpt, llm):
-    """--dense-decode-backend: xla by default; pallas is refused without a GPU before loading."""
+    """--dense-decode-backend: auto resolves to xla without a GPU; pallas is refused there
+    before loading."""
     assert llm.engine.runner.dense_backend == "xla"
     with pytest.raises(ConfigError, match="dense_decode_backend 'pallas' .* needs an NVIDIA GPU"):
         LLM(ckpt, dense_decode_backend="pallas", **LIMITS)
-    with pytest.raises(ConfigError, match="dense_decode_backend must be pallas or xla, got 'auto'"):
-        LLM(ckpt, dense_decode_backend="auto", **LIMITS)
+    with pytest.raises(ConfigError, match="dense_decode_backend must be auto, pallas or xla, got 'triton'"):
+        LLM(ckpt, dense_decode_backend="triton", **LIMITS)
 
 
 def test_scanned_layer_groups_equal_unrolled_layers(tmp_path):

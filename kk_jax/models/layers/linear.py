@@ -28,8 +28,8 @@ dequantized inside ``pallas_kernels.{fp8_block,mxfp8,nvfp4}.matmul`` (``backend=
 inside ``jax.shard_map`` over ``tp``) or by their jnp twins (``backend="xla"``, partitioned by
 XLA). Block FP8 runs W8A16 unless ``act_quant`` asks for the release's W8A8 numerics.
 Unquantized weights run XLA's dot, or at batch-1 decode the weight-streaming
-``pallas_kernels.dense_matmul`` when the engine's ``dense_decode_backend`` is pallas
-(:func:`dense_kernel_takes`).
+``pallas_kernels.dense_matmul`` when the engine's ``dense_decode_backend`` resolves to pallas (the default on a GPU;
+:func:`dense_kernel_takes`).
 
 :class:`FusedLinear` computes several projections of the same input as one matmul along N
 (an MLP's gate and up, an attention's q, k and v: :func:`fuse_projections`). Its weight is the
