@@ -278,21 +278,36 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
     T = (I + A_kk)^-1 by doubling, (I - N)(I + N^2)(I + N^4)...(I + N^32), N nilpotent,
       every product in 3 bf16 passes (hi*hi + hi*lo + lo*hi, ~16-bit mantissa);
     w = T (beta exp(G) k), u = T (beta v) in 3 bf16 passes.
+  The chain of small dependent steps leaves one warpgroup mostly waiting, so the CTA is
+  sized for two per SM (about 101 KB of shared memory at K = 128, bf16 v): five buffers are
+  reused in place as the stage goes,
+    x1  q -> q exp(G - r_row) -> v -> (beta v)_hi          (f32 v: its own buffer)
+    x2  k -> P = T in progress (hi | lo)
+    x3  kg staging -> k exp(G - r_row) -> M = N^(2^m) (hi | lo) -> w staging
+    x4  qg staging -> keys of pass a -> A_qk staging, then M again (one ref cannot be both
+        operands of a wgmma) -> (beta v)_lo
+    x5  gamma (f32) -> beta exp(G) k (hi | lo) -> u staging (f32)
+  and v is only read once the inverse starts.
   """
   nct, c, hv, kd = qn.shape
   vd = v.shape[-1]
   f32, bf = jnp.float32, jnp.bfloat16
   ns = c // _SUB
   ref_rows = tuple(range(0, c, _SUB)) + (c - 1,)
+  v_own = v.dtype != bf                  # an f32 v does not fit x1
 
   def kda_intra(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, qg_ref, kg_ref, u_ref, a_ref, gl_ref, *,
-                q_s, k_s, v_s, g_s, gr_s, b_s, t1, t2, t3, m1, m2, m3, m4, m5, m6, gl_s, bar):
+                x1, x2, x3, x4, x5, v_f32, gr_s, b_s, gl_s, bar, vbar):
     h = lax.axis_index("h")
     ch = lax.axis_index("c")
+    k_s, (m1, m2) = x2
+    t2, (m3, m4) = x3
+    t3, (m5, m6) = x4
+    g_s, (rh_s, rl_s) = x5
+    v_s = v_f32 if v_own else x1
     with jax.named_scope("load"):
-      plgpu.copy_gmem_to_smem(q_ref.at[ch, :, h, :], q_s, bar.at[0])
+      plgpu.copy_gmem_to_smem(q_ref.at[ch, :, h, :], x1, bar.at[0])
       plgpu.copy_gmem_to_smem(k_ref.at[ch, :, h, :], k_s, bar.at[0])
-      plgpu.copy_gmem_to_smem(v_ref.at[ch, :, h, :], v_s, bar.at[0])
       plgpu.copy_gmem_to_smem(g_ref.at[ch, :, h, :], g_s, bar.at[0])
       plgpu.copy_gmem_to_smem(b_ref.at[ch, h], b_s, bar.at[0])
       # Gamma rows used as per-column vectors (sub-chunk references, last row) live in their
@@ -310,9 +325,23 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
       i = ref_rows.index(row)
       return plgpu.load(gr_s.at[i], layout=_L.WGMMA.reduce(0))    # [K], one per column
 
+    def tile(ref):
+      return plgpu.load(ref, layout=_L.WGMMA).astype(f32)
+
     rows_k = plgpu.broadcasted_iota(jnp.int32, (c, kd), 0, layout=_L.WGMMA)
     rows_c = plgpu.broadcasted_iota(jnp.int32, (c, c), 0, layout=_L.WGMMA)
     cols_c = plgpu.broadcasted_iota(jnp.int32, (c, c), 1, layout=_L.WGMMA)
+    with jax.named_scope("qg_kg_out"):
+      # outputs that need only G, q, k: qg = q exp(G), kg = k exp(G_last - G), exp(G_last)
+      gam = plgpu.load(g_s, layout=_L.WGMMA)
+      glast = ref_vec(c - 1)
+      t3[...] = (tile(x1) * jnp.exp(gam)).astype(bf)
+      t2[...] = (tile(k_s) * jnp.exp(lax.broadcast_in_dim(glast, (c, kd), [1]) - gam)).astype(bf)
+      gl_s[...] = jnp.exp(glast)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(t3, qg_ref.at[ch, h])
+      plgpu.copy_smem_to_gmem(t2, kg_ref.at[ch, h])
+      plgpu.copy_smem_to_gmem(gl_s, gl_ref.at[ch, h])
     with jax.named_scope("a_matrices"):
       # q, k rescaled by exp(G - r_row), r_row = G at the first token of the row's sub-chunk
       gam = plgpu.load(g_s, layout=_L.WGMMA)
@@ -321,48 +350,43 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
         in_a = (rows_k >= a * _SUB) & (rows_k < (a + 1) * _SUB)
         rref = jnp.where(in_a, lax.broadcast_in_dim(ref_vec(a * _SUB), (c, kd), [1]), rref)
       rowexp = jnp.exp(gam - rref)
-      t1[...] = (plgpu.load(q_s, layout=_L.WGMMA).astype(f32) * rowexp).astype(bf)
-      t2[...] = (plgpu.load(k_s, layout=_L.WGMMA).astype(f32) * rowexp).astype(bf)
+      x1[...] = (tile(x1) * rowexp).astype(bf)
+      k_row = (tile(k_s) * rowexp).astype(bf)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)                # qg (t3), kg (t2) read
+      t2[...] = k_row
       a_qk = jnp.zeros((c, c), f32)
       a_kk = jnp.zeros((c, c), f32)
       for a in range(ns):
-        gam = plgpu.load(g_s, layout=_L.WGMMA)
-        kf = plgpu.load(k_s, layout=_L.WGMMA).astype(f32)
-        expo = jnp.minimum(lax.broadcast_in_dim(ref_vec(a * _SUB), (c, kd), [1]) - gam,
-                           _EXP_CLAMP)
+        expo = jnp.minimum(lax.broadcast_in_dim(ref_vec(a * _SUB), (c, kd), [1])
+                           - plgpu.load(g_s, layout=_L.WGMMA), _EXP_CLAMP)
         # keys after sub-chunk a never meet its rows (causal); zero them so no exp(85)-sized
         # products (inf after the 64-term sum) appear even in discarded entries
-        t3[...] = jnp.where(rows_k < (a + 1) * _SUB, kf * jnp.exp(expo), 0.0).astype(bf)
+        t3[...] = jnp.where(rows_k < (a + 1) * _SUB, tile(k_s) * jnp.exp(expo), 0.0).astype(bf)
         plgpu.commit_smem()
         keys = t3.transpose((1, 0))
         mine = (rows_c >= a * _SUB) & (rows_c < (a + 1) * _SUB)
-        p_qk, p_kk = _mm(((c, c), (t1, keys)), ((c, c), (t2, keys)))
+        p_qk, p_kk = _mm(((c, c), (x1, keys)), ((c, c), (t2, keys)))
         a_qk = jnp.where(mine, p_qk, a_qk)
         a_kk = jnp.where(mine, p_kk, a_kk)
-    with jax.named_scope("qg_kg_out"):
-      a_qk = jnp.where(cols_c <= rows_c, a_qk, 0.0)
-      m1[...] = a_qk.astype(bf)
+    with jax.named_scope("a_out"):
+      plgpu.copy_gmem_to_smem(v_ref.at[ch, :, h, :], v_s, vbar.at[0])   # x1 is free again
+      m5[...] = jnp.where(cols_c <= rows_c, a_qk, 0.0).astype(bf)
       beta_r = lax.broadcast_in_dim(plgpu.load(b_s, layout=_L.WGMMA.reduce(1)), (c, c), [0])
       nmat = jnp.where(cols_c < rows_c, a_kk, 0.0) * beta_r           # strictly lower
-      # stage outputs that need only G, q, k: qg, kg, gl
-      gam = plgpu.load(g_s, layout=_L.WGMMA)
-      glast = ref_vec(c - 1)
-      t1[...] = (plgpu.load(q_s, layout=_L.WGMMA).astype(f32) * jnp.exp(gam)).astype(bf)
-      t2[...] = (plgpu.load(k_s, layout=_L.WGMMA).astype(f32)
-                 * jnp.exp(lax.broadcast_in_dim(glast, (c, kd), [1]) - gam)).astype(bf)
-      gl_s[...] = jnp.exp(glast)
+      # the right-hand side of w replaces gamma; k is no longer needed
+      beta_k = lax.broadcast_in_dim(plgpu.load(b_s, layout=_L.WGMMA.reduce(1)), (c, kd), [0])
+      r_hi, r_lo = _split(beta_k * jnp.exp(plgpu.load(g_s, layout=_L.WGMMA)) * tile(k_s))
+      rh_s[...] = r_hi
+      rl_s[...] = r_lo
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(m1, a_ref.at[ch, h])
-      plgpu.copy_smem_to_gmem(t1, qg_ref.at[ch, h])
-      plgpu.copy_smem_to_gmem(t2, kg_ref.at[ch, h])
-      plgpu.copy_smem_to_gmem(gl_s, gl_ref.at[ch, h])
+      plgpu.copy_smem_to_gmem(m5, a_ref.at[ch, h])
     with jax.named_scope("inverse"):
       # T = (I + N)^-1 = (I - N) prod_m (I + N^(2^m)), m = 1..5; m1/m2 hold P (hi/lo), m3/m4
       # M = N^(2^m) as the B operand and m5/m6 the same M as the A operand (one ref cannot be
       # both of a wgmma). P (I + M) and the next M @ M depend only on M: one wait for both.
       eye = jnp.where(cols_c == rows_c, 1.0, 0.0).astype(f32)
       pmat = eye - nmat
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)                # m1, t1, t2 free again
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)                # A_qk (m5) read
       def store(mmat, pmat=None):
         y_hi, y_lo = _split(mmat)
         m3[...] = y_hi
@@ -387,46 +411,39 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
       x_hi, x_lo = _split(pmat)
       m1[...] = x_hi
       m2[...] = x_lo
+      plgpu.commit_smem()
     with jax.named_scope("w_u_out"):
-      beta_k = lax.broadcast_in_dim(plgpu.load(b_s, layout=_L.WGMMA.reduce(1)), (c, kd), [0])
-      gam = plgpu.load(g_s, layout=_L.WGMMA)
-      r_hi, r_lo = _split(beta_k * jnp.exp(gam) * plgpu.load(k_s, layout=_L.WGMMA).astype(f32))
-      t1[...] = r_hi
-      t2[...] = r_lo
-      plgpu.commit_smem()
-      (w,) = _mm(split3(m1, m2, t1, t2, kd))                            # w = T exp(G) k
-      t3[...] = w.astype(bf)
+      (w,) = _mm(split3(m1, m2, rh_s, rl_s, kd))                       # w = T beta exp(G) k
+      t2[...] = w.astype(bf)
+      plgpu.barrier_wait(vbar.at[0])                                 # v has arrived
       beta_v = lax.broadcast_in_dim(plgpu.load(b_s, layout=_L.WGMMA.reduce(1)), (c, vd), [0])
-      r_hi, r_lo = _split(beta_v * plgpu.load(v_s, layout=_L.WGMMA).astype(f32))
-      t1[...] = r_hi
-      t2[...] = r_lo
+      v_hi, v_lo = _split(beta_v * tile(v_s))
+      x1[...] = v_hi
+      t3[...] = v_lo
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(t3, w_ref.at[ch, h])
-      (u,) = _mm(split3(m1, m2, t1, t2, vd))                            # u = T v
+      plgpu.copy_smem_to_gmem(t2, w_ref.at[ch, h])
+      (u,) = _mm(split3(m1, m2, x1, t3, vd))                           # u = T beta v
       g_s[...] = u
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(g_s, u_ref.at[ch, h])
       plgpu.wait_smem_to_gmem(0)
 
   sw_k, sw_c = _swizzled(bf, kd), _swizzled(bf, c)
+  bf_k = lambda: plgpu.SMEM((c, kd), bf, transforms=sw_k)
+  bf_c = lambda: plgpu.SMEM((c, c), bf, transforms=sw_c)
   scratch = {
-      "q_s": plgpu.SMEM((c, kd), bf, transforms=sw_k),
-      "k_s": plgpu.SMEM((c, kd), bf, transforms=sw_k),
-      "v_s": plgpu.SMEM((c, vd), v.dtype, transforms=_swizzled(v.dtype, vd)),
-      "g_s": plgpu.SMEM((c, kd), f32, transforms=_swizzled(f32, kd)),
+      "x1": bf_k(),
+      "x2": plgpu.RefUnion(bf_k(), (bf_c(), bf_c())),
+      "x3": plgpu.RefUnion(bf_k(), (bf_c(), bf_c())),
+      "x4": plgpu.RefUnion(bf_k(), (bf_c(), bf_c())),
+      "x5": plgpu.RefUnion(plgpu.SMEM((c, kd), f32, transforms=_swizzled(f32, kd)),
+                           (bf_k(), bf_k())),
+      "v_f32": (plgpu.SMEM((c, vd), f32, transforms=_swizzled(f32, vd)) if v_own else None),
       "gr_s": plgpu.SMEM((8, kd), f32),
       "b_s": plgpu.SMEM((c,), f32),
-      "t1": plgpu.SMEM((c, kd), bf, transforms=sw_k),
-      "t2": plgpu.SMEM((c, kd), bf, transforms=sw_k),
-      "t3": plgpu.SMEM((c, kd), bf, transforms=sw_k),
-      "m1": plgpu.SMEM((c, c), bf, transforms=sw_c),
-      "m2": plgpu.SMEM((c, c), bf, transforms=sw_c),
-      "m3": plgpu.SMEM((c, c), bf, transforms=sw_c),
-      "m4": plgpu.SMEM((c, c), bf, transforms=sw_c),
-      "m5": plgpu.SMEM((c, c), bf, transforms=sw_c),
-      "m6": plgpu.SMEM((c, c), bf, transforms=sw_c),
       "gl_s": plgpu.SMEM((kd,), f32),
-      "bar": plgpu.Barrier(num_arrivals=5 + len(ref_rows), num_barriers=1),
+      "bar": plgpu.Barrier(num_arrivals=4 + len(ref_rows), num_barriers=1),
+      "vbar": plgpu.Barrier(num_arrivals=1, num_barriers=1),
   }
   out_type = (jax.ShapeDtypeStruct((nct, hv, c, kd), bf),     # w
               jax.ShapeDtypeStruct((nct, hv, c, kd), bf),     # qg

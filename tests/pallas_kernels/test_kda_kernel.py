@@ -149,6 +149,18 @@ def test_kernel_prefill_then_decode_equals_longer_prefill():
   assert rel_err(pool[1], ff[0]) < PREFILL_TOL
 
 
+@pytest.mark.parametrize("kd,vdtype", [(64, jnp.float32), (128, jnp.bfloat16)])
+def test_prefill_kernels_lower_for_hopper(kd, vdtype):
+  """The GPU form of the prefill (register left-hand wgmma operands in the intra-chunk kernel,
+  which interpret mode replaces by shared-memory ones) passes Mosaic GPU lowering."""
+  S = jax.ShapeDtypeStruct
+  x = S((1, 200, 2, kd), jnp.bfloat16)
+  args = (x, x, S((1, 200, 2, kd), vdtype), S((1, 200, 2, kd), jnp.float32),
+          S((1, 200, 2), jnp.float32))
+  f = lambda *a: chunk_kda(*a, backend="pallas", output_final_state=True, use_qk_l2norm=True)
+  jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+
+
 # ------------------------------------------------------------------ compiled (GPU)
 
 
