@@ -328,9 +328,14 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
     def tile(ref):
       return plgpu.load(ref, layout=_L.WGMMA).astype(f32)
 
-    rows_k = plgpu.broadcasted_iota(jnp.int32, (c, kd), 0, layout=_L.WGMMA)
-    rows_c = plgpu.broadcasted_iota(jnp.int32, (c, c), 0, layout=_L.WGMMA)
-    cols_c = plgpu.broadcasted_iota(jnp.int32, (c, c), 1, layout=_L.WGMMA)
+    # row / column indices as vectors broadcast where used: a thread's share of a tile spans
+    # 2 rows and 16 columns, so masks cost a few registers instead of a full tile of indices
+    # (register pressure here decides whether ptxas keeps the wgmmas asynchronous)
+    row_v = plgpu.broadcasted_iota(jnp.int32, (c,), 0, layout=_L.WGMMA.reduce(1))
+    col_v = plgpu.broadcasted_iota(jnp.int32, (c,), 0, layout=_L.WGMMA.reduce(0))
+    rows_k = lambda: lax.broadcast_in_dim(row_v, (c, kd), [0])
+    rows_c = lambda: lax.broadcast_in_dim(row_v, (c, c), [0])
+    cols_c = lambda: lax.broadcast_in_dim(col_v, (c, c), [1])
     with jax.named_scope("qg_kg_out"):
       # outputs that need only G, q, k: qg = q exp(G), kg = k exp(G_last - G), exp(G_last)
       gam = plgpu.load(g_s, layout=_L.WGMMA)
@@ -347,7 +352,7 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
       gam = plgpu.load(g_s, layout=_L.WGMMA)
       rref = jnp.zeros((c, kd), f32)
       for a in range(ns):
-        in_a = (rows_k >= a * _SUB) & (rows_k < (a + 1) * _SUB)
+        in_a = (rows_k() >= a * _SUB) & (rows_k() < (a + 1) * _SUB)
         rref = jnp.where(in_a, lax.broadcast_in_dim(ref_vec(a * _SUB), (c, kd), [1]), rref)
       rowexp = jnp.exp(gam - rref)
       x1[...] = (tile(x1) * rowexp).astype(bf)
@@ -361,18 +366,18 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
                            - plgpu.load(g_s, layout=_L.WGMMA), _EXP_CLAMP)
         # keys after sub-chunk a never meet its rows (causal); zero them so no exp(85)-sized
         # products (inf after the 64-term sum) appear even in discarded entries
-        t3[...] = jnp.where(rows_k < (a + 1) * _SUB, tile(k_s) * jnp.exp(expo), 0.0).astype(bf)
+        t3[...] = jnp.where(rows_k() < (a + 1) * _SUB, tile(k_s) * jnp.exp(expo), 0.0).astype(bf)
         plgpu.commit_smem()
         keys = t3.transpose((1, 0))
-        mine = (rows_c >= a * _SUB) & (rows_c < (a + 1) * _SUB)
+        mine = (rows_c() >= a * _SUB) & (rows_c() < (a + 1) * _SUB)
         p_qk, p_kk = _mm(((c, c), (x1, keys)), ((c, c), (t2, keys)))
         a_qk = jnp.where(mine, p_qk, a_qk)
         a_kk = jnp.where(mine, p_kk, a_kk)
     with jax.named_scope("a_out"):
       plgpu.copy_gmem_to_smem(v_ref.at[ch, :, h, :], v_s, vbar.at[0])   # x1 is free again
-      m5[...] = jnp.where(cols_c <= rows_c, a_qk, 0.0).astype(bf)
+      m5[...] = jnp.where(cols_c() <= rows_c(), a_qk, 0.0).astype(bf)
       beta_r = lax.broadcast_in_dim(plgpu.load(b_s, layout=_L.WGMMA.reduce(1)), (c, c), [0])
-      nmat = jnp.where(cols_c < rows_c, a_kk, 0.0) * beta_r           # strictly lower
+      nmat = jnp.where(cols_c() < rows_c(), a_kk, 0.0) * beta_r           # strictly lower
       # the right-hand side of w replaces gamma; k is no longer needed
       beta_k = lax.broadcast_in_dim(plgpu.load(b_s, layout=_L.WGMMA.reduce(1)), (c, kd), [0])
       r_hi, r_lo = _split(beta_k * jnp.exp(plgpu.load(g_s, layout=_L.WGMMA)) * tile(k_s))
@@ -384,7 +389,7 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
       # T = (I + N)^-1 = (I - N) prod_m (I + N^(2^m)), m = 1..5; m1/m2 hold P (hi/lo), m3/m4
       # M = N^(2^m) as the B operand and m5/m6 the same M as the A operand (one ref cannot be
       # both of a wgmma). P (I + M) and the next M @ M depend only on M: one wait for both.
-      eye = jnp.where(cols_c == rows_c, 1.0, 0.0).astype(f32)
+      eye = jnp.where(cols_c() == rows_c(), 1.0, 0.0).astype(f32)
       pmat = eye - nmat
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)                # A_qk (m5) read
       def store(mmat, pmat=None):
