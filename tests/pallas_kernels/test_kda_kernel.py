@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from test_kda import LENS, cu_of, make_inputs, rand_state, rel_err
 
-from pallas_kernels.kda import chunk_kda, kda_commit, kda_decode, kda_verify
+from pallas_kernels.kda import chunk_kda, kda_commit, kda_decode, kda_verify, kernel
 from pallas_kernels.kda.oracle import kda_oracle, kda_steps_oracle
 
 PREFILL_TOL = 2e-2
@@ -73,10 +73,14 @@ def test_chunk_kernel_batched_gva_fp32():
 # -------------------------------------------------------------------------- decode
 
 
-@pytest.mark.parametrize("kd,dtype", [(64, jnp.bfloat16), (128, jnp.float32)])
-def test_decode_kernel_matches_oracle_and_isolates_slots(kd, dtype):
+@pytest.mark.parametrize("kd,dtype,wide", [(64, jnp.bfloat16, False), (128, jnp.float32, False),
+                                            (128, jnp.bfloat16, True)])
+def test_decode_kernel_matches_oracle_and_isolates_slots(kd, dtype, wide, monkeypatch):
   """Rows 0 and 3 pad onto dummy slot 0, row 2 resets reused slot 1. Slots no real row names
-  (2, 3, 5) must be bit-identical afterwards; real rows match the fp32 oracle."""
+  (2, 3, 5) must be bit-identical afterwards; real rows match the fp32 oracle. wide: the
+  64-column V tiles of large batches (forced here) instead of the 32-column ones."""
+  if wide:
+    monkeypatch.setattr(kernel, "_NARROW_STEP_ROWS", 0)
   n = 4
   q, k, v, g, beta = make_inputs(lead=(n,), h=1, hv=2, kd=kd, vd=kd, seed=kd, dtype=dtype)
   pool = rand_state(6, 2, kd, kd)
@@ -179,7 +183,10 @@ def test_gpu_compiled_prefill_matches_reference(kd):
 
 
 @pytest.mark.gpu
-def test_gpu_compiled_decode_verify_match_reference():
+@pytest.mark.parametrize("wide", [False, True])
+def test_gpu_compiled_decode_verify_match_reference(wide, monkeypatch):
+  if wide:
+    monkeypatch.setattr(kernel, "_NARROW_STEP_ROWS", 0)
   n, hv, kd = 64, 8, 128
   q, k, v, g, beta = make_inputs(lead=(n,), h=hv, kd=kd, vd=kd, seed=1)
   pool = rand_state(n + 1, hv, kd, kd)
