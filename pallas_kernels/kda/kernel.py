@@ -4,7 +4,8 @@ Public entry points (wrapped by `pallas_kernels.kda`): `kda_decode_pallas`,
 `kda_verify_pallas`, `chunk_kda_pallas`. All are Mosaic GPU (`plgpu.kernel`, TMA, `wgmma`);
 no Triton lowering is used. `interpret=True` runs them in Mosaic GPU interpret mode on CPU.
 
-Decode / verify (`_step_call`): grid (V tiles, HV, N), one warpgroup per CTA. The CTA TMA-
+Decode / verify (`_step_call`): grid (V tiles, HV, N), one warpgroup per CTA (V tiles of 32
+columns for small batches, 64 otherwise: `_step_v_tile`). The CTA TMA-
 loads its fp32 state tile S [K, Vt] from `state_pool[slots[n], h]` into SMEM, runs the Ts
 tokens with S in registers (WGMMA register layout; row broadcasts of g/k/q, column
 broadcasts of v', reductions over K), and TMA-stores S back into the same slot (decode: the
@@ -24,7 +25,10 @@ Chunked prefill (`chunk_kda_pallas`), fla's stage split with stages 3 and 4 fuse
        lo*hi), w = T (exp(Gamma) k) and u = T v likewise. Independent wgmmas are issued
        together before one wait (`_mm`); exponentials use the approximate ex2 path (outputs
        within ~1e-5 relative of exact expf on the H200, far below the bf16 operand rounding),
-       which cut the stage by a quarter. `_intra` is the same stage in jnp
+       which cut the stage by a quarter. The CTA fits twice per SM (shared buffers reused
+       in place, masks from index vectors so ptxas keeps the wgmmas asynchronous): the
+       stage is a chain of small dependent steps, and a second CTA fills the waits.
+       `_intra` is the same stage in jnp
        (`intra="xla"`), kept as a fallback; it was 3.6x slower than fla end to end.
   3-4. `_scan_call` (Mosaic GPU): grid (V tiles, HV, N sequences); each CTA walks its
        sequence's chunks in order with the fp32 state S [K, Vt] held in registers and, per
