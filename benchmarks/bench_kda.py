@@ -6,14 +6,16 @@
    varlen prefill (lengths 1..2048, H=4), prefill B=1 T=8K H=32 D=128, decode and verify
    N=64 H=32. Relative L2 errors are printed; the script exits non-zero if one is too big.
 2. Prefill (bf16 q/k/v, fp32 GLM safe gate g in [-5, 0), l2norm in kernel, final state out):
-   ours (`chunk_kda(backend="pallas")`, also split into its XLA intra stage and its Mosaic
-   GPU scan stage at T=32K) vs fla `chunk_kda(safe_gate=True, lower_bound=-5)` and, at B=1
+   ours (`chunk_kda(backend="pallas")`, also split at T=32K into its XLA prep, its Mosaic GPU
+   intra-chunk kernel and its Mosaic GPU scan) vs fla `chunk_kda(safe_gate=True, lower_bound=-5)` and, at B=1
    H=32, tokamax's pure-XLA `xla_chunked` KDA.
 3. Decode, one token per sequence, fp32 state H=32 D=128: ours per call (pool donated) and
    per step inside a 16-step on-device loop vs fla `fused_recurrent_kda` per call; effective
    state traffic = N*H*K*V*4 bytes read + written.
 Times are medians (JAX: back-to-back calls, block at the end; fla: triton do_bench). Items
 that would overrun --budget-s are skipped and listed. Prints a table, writes JSON.
+--scope-profile TxH adds the intra-chunk kernel's per-scope times from Mosaic GPU's in-kernel
+profiler (what each phase of one CTA costs; GPU only).
 """
 
 from __future__ import annotations
@@ -252,31 +254,71 @@ def bench_prefill(results, fla, budget, quick, shapes=None, tokamax=True):
     print(json.dumps(row))
 
 
-def _stage_split(a):
-  """Times the two stages of our prefill separately (B=1, fixed length): the Mosaic GPU
-  intra-chunk kernel (with its XLA input prep: l2norm, GVA, chunk cumsum) and the scan."""
+def _stage_inputs(a):
+  """The stages of our B=1 prefill as separate jitted functions with their real inputs:
+  prep (XLA: l2norm, GVA, chunk cumsum, layouts), the Mosaic GPU intra-chunk kernel, the scan.
+  Returns (prep, prep's args, intra, intra's args, scan, scan's args)."""
   q, _k, _v, _g, _beta = a
   b, t, h, _d = q.shape
   c = kk.CHUNK
+  f32, bf = jnp.float32, jnp.bfloat16
 
   def prep(q, k, v, g, beta):
     qf, kf = kk.prepare_qk(q, k, scale=None, use_qk_l2norm=True, hv=h)
     r = lambda x: x.reshape((b * t // c, c) + x.shape[2:])
-    f32 = jnp.float32
-    return kk._intra_pallas(r(qf), r(kf), r(v), r(g.astype(f32)), r(beta.astype(f32)),
-                            interpret=False)
+    return (r(qf).astype(bf), r(kf).astype(bf), r(v), jnp.cumsum(r(g.astype(f32)), axis=1),
+            jnp.swapaxes(r(beta.astype(f32)), 1, 2))
 
-  intra = jax.jit(prep)
-  ops = jax.block_until_ready(intra(*a))
+  prep_j = jax.jit(prep)
+  ins = jax.block_until_ready(prep_j(*a))
+  intra = jax.jit(lambda *x: kk._intra_call(*x, interpret=TINY))
+  ops = jax.block_until_ready(intra(*ins))
   n = b
   cs = jnp.arange(n, dtype=jnp.int32) * (t // c)
   ncs = jnp.full((n,), t // c, jnp.int32)
   lens = jnp.full((n,), t, jnp.int32)
   scan = jax.jit(lambda *o: kk._scan_call(*o, cs, ncs, lens, None, None,
                                           out_dtype=jnp.bfloat16, every=None, num_ckpt=0,
-                                          interpret=False))
-  return {"ours_intra_ms": time_jax(intra, *a) * 1e3,
-              "ours_scan_ms": time_jax(scan, *ops) * 1e3}
+                                          interpret=TINY))
+  return prep_j, a, intra, ins, scan, ops
+
+
+def _stage_split(a):
+  """Times the three stages of our prefill separately (B=1, fixed length)."""
+  prep, a, intra, ins, scan, ops = _stage_inputs(a)
+  return {"ours_prep_ms": time_jax(prep, *a) * 1e3,
+          "ours_intra_ms": time_jax(intra, *ins) * 1e3,
+          "ours_scan_ms": time_jax(scan, *ops) * 1e3}
+
+
+def scope_profile(t, h):
+  """Per-scope time of the intra-chunk kernel from Mosaic GPU's in-kernel profiler (one
+  trace per CTA; the kernel's jax.named_scope regions): mean and median µs per CTA."""
+  import collections
+  import glob
+  import tempfile
+
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  a = to_jax(*inputs((1, t), h, 128, seed=1))
+  _prep, _a, _intra, ins, _scan, _ops = _stage_inputs(a)
+  d = tempfile.mkdtemp(prefix="kda_scopes_")
+  plain = plgpu.CompilerParams
+  plgpu.CompilerParams = lambda **kw: plain(**kw, profile_space=64, profile_dir=d)
+  try:
+    jax.block_until_ready(jax.jit(lambda *x: kk._intra_call(*x, interpret=False))(*ins))
+  finally:
+    plgpu.CompilerParams = plain
+  events = json.loads(Path(sorted(glob.glob(d + "/*.json"))[-1]).read_text())["traceEvents"]
+  spans, open_at = collections.defaultdict(list), {}
+  for e in events:
+    key = (e["tid"], e["name"])
+    if e["ph"] == "B":
+      open_at[key] = e["ts"]
+    else:
+      spans[e["name"]].append(e["ts"] - open_at.pop(key))
+  print(f"\n== intra-chunk kernel scopes, T={t} H={h} (us per CTA) ==")
+  for name, v in spans.items():
+    print(f"  {name:12s} mean {np.mean(v):8.2f}  median {np.median(v):8.2f}  CTAs {len(v)}")
 
 
 def bench_decode(results, fla, budget):
@@ -328,9 +370,9 @@ def lax_fori(n, body, x):
 
 def table(results):
   print("\n== summary ==")
-  print("prefill  B     T   H | ours ms (intra + scan)            | fla ms | ours/fla | tokamax ms")
+  print("prefill  B     T   H | ours ms (prep + intra + scan)     | fla ms | ours/fla | tokamax ms")
   for r in results["prefill"]:
-    split = (f" ({r['ours_intra_ms']:.2f} + {r['ours_scan_ms']:.2f})"
+    split = (f" ({r['ours_prep_ms']:.2f} + {r['ours_intra_ms']:.2f} + {r['ours_scan_ms']:.2f})"
              if "ours_intra_ms" in r else "")
     fla = f"{r['fla_ms']:.3f}" if r["fla_ms"] else "n/a"
     ratio = f"{r['ratio_ours_over_fla']:.2f}x" if r["ratio_ours_over_fla"] else "n/a"
@@ -363,6 +405,8 @@ def main():
   ap.add_argument("--check-cases", default=None,
                   help="comma-separated case-name prefixes, e.g. 'prefill varlen,prefill B=1 T=8192'")
   ap.add_argument("--prefill-shapes", default=None, help="e.g. 1x8192x32,1x32768x32 (BxTxH)")
+  ap.add_argument("--scope-profile", default=None, metavar="TxH",
+                  help="also print the intra-chunk kernel's per-scope times (GPU only), e.g. 8192x4")
   args = ap.parse_args()
   if args.tiny:
     global TINY
@@ -385,6 +429,8 @@ def main():
   if args.prefill_shapes:
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.prefill_shapes.split(",")]
   bench_prefill(results, fla, args.budget_s, args.quick, shapes, tokamax=not args.no_tokamax)
+  if args.scope_profile:
+    scope_profile(*(int(x) for x in args.scope_profile.split("x")))
   table(results)
   results["wall_s"] = time.time() - T0
   Path(args.out).write_text(json.dumps(results, indent=1))
