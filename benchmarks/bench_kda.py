@@ -261,13 +261,12 @@ def _stage_inputs(a):
   q, _k, _v, _g, _beta = a
   b, t, h, _d = q.shape
   c = kk.CHUNK
-  f32, bf = jnp.float32, jnp.bfloat16
+  f32 = jnp.float32
 
   def prep(q, k, v, g, beta):
     qf, kf = kk.prepare_qk(q, k, scale=None, use_qk_l2norm=True, hv=h)
     r = lambda x: x.reshape((b * t // c, c) + x.shape[2:])
-    return (r(qf).astype(bf), r(kf).astype(bf), r(v), jnp.cumsum(r(g.astype(f32)), axis=1),
-            jnp.swapaxes(r(beta.astype(f32)), 1, 2))
+    return kk._intra_inputs(r(qf), r(kf), r(v), r(g.astype(f32)), r(beta.astype(f32)))
 
   prep_j = jax.jit(prep)
   ins = jax.block_until_ready(prep_j(*a))

@@ -232,7 +232,6 @@ class EngineConfig:
     kernel_backend: str = "auto"          # auto (pallas on GPU, xla elsewhere) | pallas | xla
     kda_backend: str = "auto"             # KDA layers only: auto (= kernel_backend) | pallas | xla
     dense_decode_backend: str = "auto"   # unquantized linears at batch-1 decode: auto (pallas with the Pallas kernels on a GPU) | pallas | xla
-                                          # (weight-streaming kernel: faster on its own, not yet measured in a model)
     seed: int = 0
     compilation_cache_dir: str | None = None
     load_mtp: bool = False                # also load the model's MTP (NextN) block, for speculative decoding

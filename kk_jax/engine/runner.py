@@ -218,7 +218,7 @@ class ModelRunner:
         if self.dense_backend == "pallas" and not on_gpu:
             raise ConfigError("dense_decode_backend 'pallas' runs a Mosaic GPU kernel and needs an NVIDIA GPU; "
                               f"this machine's JAX backend is {jax.default_backend()!r} (use xla)")
-        if cfg.kda_backend == "pallas" and jax.default_backend() != "gpu":
+        if cfg.kda_backend == "pallas" and not on_gpu:
             raise ConfigError(f"kda_backend 'pallas' runs the Mosaic GPU KDA kernels and needs an NVIDIA GPU; "
                               f"this machine's JAX backend is {jax.default_backend()!r} (use auto or xla)")
         self.ops = model_cls.make_ops(model_cfg, mesh, self.backend, kda_backend=cfg.kda_backend)

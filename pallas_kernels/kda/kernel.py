@@ -479,12 +479,11 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
   return call(qn, kn, v, gam, beta_t)
 
 
-def _intra_pallas(q, k, v, g, beta, *, interpret):
-  """Chunk-layout fp32 inputs (as `_intra`) -> `_intra_call` operands and outputs."""
-  gam = jnp.cumsum(g, axis=1)
-  vv = v.astype(jnp.bfloat16) if v.dtype == jnp.bfloat16 else v
-  return _intra_call(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), vv, gam,
-                     jnp.swapaxes(beta, 1, 2), interpret=interpret)
+def _intra_inputs(q, k, v, g, beta):
+  """Chunk-layout inputs (as `_intra`; v bf16 or f32) -> the operands of `_intra_call`: bf16
+  q / k, v as given, the chunk-local cumsum of g, beta head-major."""
+  return (q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v, jnp.cumsum(g, axis=1),
+          jnp.swapaxes(beta, 1, 2))
 
 
 def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, every,
@@ -667,7 +666,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     out_idx = jnp.where(ok, tok, t).reshape(-1)
   chunks = tuple(map(to_chunks, (qf, kf, vf, gf, bf)))
   if intra == "pallas":
-    w, qg, kg, u, a, gl = _intra_pallas(*chunks, interpret=interpret)
+    w, qg, kg, u, a, gl = _intra_call(*_intra_inputs(*chunks), interpret=interpret)
   else:
     w, qg, kg, u, a, gl = _intra(*chunks)
   init = None if initial_state is None else initial_state.astype(jnp.float32)
