@@ -14,7 +14,8 @@ of 1..64 tokens sits in wgmma's N dimension (multiple of 8) instead of being pad
 One kernel serves both shapes of the problem, only the tiling differs (``plan``):
 
 * decode (M <= 64): bm = 8/16/32/64 tokens, K split over ``splits`` CTAs so that
-  ``N/64 * splits`` CTAs fill the GPU; fp32 partials are summed by the wrapper. The kernel
+  ``N/64 * splits`` CTAs fill the GPU (up to a per-format count, ``DECODE_CTAS``); fp32
+  partials are summed by the wrapper. The kernel
   is weight-streaming: 2-4 TMA stages of weight bytes in flight per CTA, tiles small enough
   for two CTAs per SM.
 * prefill (M > 64): bm = 128 or 256 tokens, no split, a ``[64, bm]`` fp32 accumulator.
@@ -76,6 +77,16 @@ ROW = plgpu.Layout.WGMMA.reduce(1)
 WGMMA = plgpu.Layout.WGMMA
 UPCAST_2X = plgpu.Layout.WGMMA_UPCAST_2X
 NUM_SMS = 132                # H200; only used to size the decode split
+# Decode: K is split until about this many CTAs exist. The register-dequantizing formats are
+# bound by each CTA's chain of loads, conversions and wgmmas, so many short CTAs (two K steps
+# each) beat a few long ones: one H200, M = 1, cap 12 x NUM_SMS against 3 x NUM_SMS, MXFP8
+# 12288x4096 24.2 against 29.1 us, 4096x12288 23.9 against 29.0; NVFP4 25.7 against 28.4 and
+# 25.8 against 27.2; grouped NVFP4 experts (GLM gate/up, 1 token) 44.1 against 53.9. bf16 and
+# block FP8 stream closer to HBM speed and lose more to the extra fp32 partials than they gain
+# (bf16 12288x4096 30.6 against 28.7 us, block FP8 30.5 against 27.6), so they keep the small
+# cap. (benchmarks/RESULTS.md, 2026-11-30 part 7.)
+DECODE_CTAS = {"mxfp8": 12 * NUM_SMS, "nvfp4": 12 * NUM_SMS}
+DECODE_CTAS_DEFAULT = 3 * NUM_SMS
 
 
 def smem_tile(dtype, minor: int, swizzle: int | None = None) -> tuple:
@@ -122,7 +133,7 @@ def smem_bytes(fmt: str, bm: int, tk: int, stages: int, out_bytes: int = 4) -> i
 
 def plan(m: int, n: int, k: int, fmt: str, *, tk: int | None = None, splits: int | None = None,
          stages: int | None = None, bm: int | None = None, budget: int | None = None,
-         row_tiles: int | None = None) -> Plan:
+         row_tiles: int | None = None, max_ctas: int | None = None) -> Plan:
     """Tiles for an [m, k] x [n, k]^T product (n a multiple of 64, k of the chosen tk).
 
     ``fmt`` is mxfp8 / fp8_block / nvfp4 (dequantizing engine), bf16 (plain weights) or fp8_w8a8
@@ -131,7 +142,8 @@ def plan(m: int, n: int, k: int, fmt: str, *, tk: int | None = None, splits: int
     of 64 bytes) must fill TMA's 128-byte SMEM alignment (a 64-byte tile, MXFP8 at tk = 32, put
     every second stage at a misaligned address: CUDA_ERROR_MISALIGNED_ADDRESS on the H200).
     ``row_tiles``: the number of row tiles when it is not ceil(m / bm) (grouped calls: m is
-    one tile's rows), for sizing the K split."""
+    one tile's rows), for sizing the K split; decode splits K until ``max_ctas`` CTAs (default
+    per format: ``DECODE_CTAS``)."""
     decode = m <= 64
     budget = budget or SMEM_BUDGET["decode" if decode else "prefill"]
     if bm is None:
@@ -162,9 +174,10 @@ def plan(m: int, n: int, k: int, fmt: str, *, tk: int | None = None, splits: int
     if splits is None:
         splits = 1
         if decode:
+            max_ctas = max_ctas or DECODE_CTAS.get(fmt, DECODE_CTAS_DEFAULT)
             ctas = (n // BN) * (row_tiles or -(-m // bm))
             for s in range(1, nk + 1):
-                if nk % s == 0 and nk // s >= 2 and ctas * s <= 3 * NUM_SMS:
+                if nk % s == 0 and nk // s >= 2 and ctas * s <= max_ctas:
                     splits = s
     if nk % splits:
         raise ValueError(f"splits={splits} must divide the {nk} K steps")
