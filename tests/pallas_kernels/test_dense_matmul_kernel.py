@@ -48,6 +48,25 @@ def test_leading_dims_and_dtype():
     assert rel_err(y.reshape(6, 64), oracle(x, w)) < 1e-2
 
 
+def test_decode_rows_are_not_padded_in_hbm():
+    """Up to 8 rows the kernel reads x as it is (TMA zero-fills the rest of the token tile): no
+    pad op runs before it. More rows are padded to the token tile, and the engine rejects an
+    unpadded row count that TMA's 8-row tiling cannot take."""
+    from pallas_kernels.mxfp8 import wdequant as wd
+
+    def pads(m):                                 # pad ops in the program lowered for the GPU
+        x, w = make(m, 128, 256)
+        lowered = jax.jit(lambda x, w: matmul_kernel(x, w)).trace(x, w).lower(lowering_platforms=("cuda",))
+        return lowered.as_text().count("stablehlo.pad")
+
+    assert pads(1) == 0 and pads(5) == 0
+    assert pads(12) == 1
+    x, w = make(12, 128, 256)
+    with pytest.raises(ValueError, match="not padded"):
+        wd.wdequant_matmul((x,), w, (), fmt="bf16", p=wd.plan(12, 128, 256, "bf16"), out_dtype=jnp.float32,
+                           interpret=True)
+
+
 def test_bad_input():
     x, w = make(2, 64, 128)
     with pytest.raises(ValueError, match="bfloat16"):
