@@ -49,9 +49,9 @@ N a multiple of 64, K a multiple of ``tk``, M at most ``TMA_ROWS`` or a multiple
 only feed output rows that the wrapper crops (padding x cost one extra ~1.4 us kernel per call,
 four per transformer layer: Qwen3-8B b=1 step 5.227 -> 5.156 ms without them). A larger row
 count must be a multiple of TMA's 8-row shared-memory tiling (compiling fails otherwise), so
-such x is padded to the token tile. Padding N or K copies the weight on every call, which only odd shapes
-(N = 1 in tests, or a tensor-parallel MXFP8 shard whose K is an odd multiple of 32) need: real
-layers have N % 64 == 0 and K a multiple of 64.
+such x is padded to the token tile. Padding N or K copies the weight on every call, which only
+odd shapes (N = 1 in tests, or a tensor-parallel MXFP8 shard whose K is an odd multiple of 32)
+need: real layers have N % 64 == 0 and K a multiple of 64.
 
 Staged scales and register operands against the earlier design, in which the per-row scale
 vectors were loaded from HBM one step ahead and the dequantized tile was written to SMEM for an
