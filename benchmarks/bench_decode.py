@@ -51,7 +51,7 @@ def step_bytes(cfg: Qwen3Config, runner: ModelRunner, batch: int, context: int) 
     return w + kv
 
 
-def bench(cfg, backend, batches, context, steps, iters, page_size, tp, trace_dir=None, dense="xla"):
+def bench(cfg, backend, batches, context, steps, iters, page_size, tp, trace_dir=None, dense="auto"):
     max_b = max(batches)
     max_len = context + steps * (iters + 2) + page_size
     pages_per_seq = math.ceil(max_len / page_size)
