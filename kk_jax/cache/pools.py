@@ -94,6 +94,14 @@ def allocate_pools(layout: CacheLayout, *, num_pages: int, page_size: int, num_s
     return pools
 
 
+def abstract_pools(layout: CacheLayout, *, num_pages: int, page_size: int, num_slots: int,
+                   mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    """What ``allocate_pools`` would create, allocating nothing (a compile-only runner)."""
+    return {name: jax.ShapeDtypeStruct(pool_shape(spec, num_pages, page_size, num_slots), spec.dtype,
+                                       sharding=pool_sharding(spec, mesh))
+            for name, spec in layout.items()}
+
+
 def _zero_slots(pools, slots, stacks):
     stacks = dict(stacks)
 

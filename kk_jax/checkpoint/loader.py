@@ -236,6 +236,16 @@ def _names(stack: Stack):
         yield from _names(p) if isinstance(p, Stack) else (p,)
 
 
+def abstract_params(expected: dict, dtype, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shape, dtype and sharding of every tensor ``random_params`` would draw, allocating
+    nothing: the weights of a compile-only runner."""
+    out = {}
+    for name, value in expected.items():
+        spec = as_spec(value)
+        out[name] = jax.ShapeDtypeStruct(tuple(spec.shape), spec.dtype or dtype, sharding=sharding(mesh, spec.axes or ()))
+    return out
+
+
 def random_params(expected: dict, dtype, mesh: Mesh, seed: int = 0, std: float = 0.02) -> dict[str, jax.Array]:
     """Normal(0, std) matrices and unit norm weights, drawn directly on the devices with their
     final sharding; for benchmarks of full-size shapes without a checkpoint. Exact-dtype

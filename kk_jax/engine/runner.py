@@ -30,8 +30,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from kk_jax.cache.pools import CacheLayout, SlotSpec, allocate_pools, bytes_per_page, pool_sharding, zero_slots
-from kk_jax.checkpoint.loader import Stack, TensorSpec, expected_tensors, load_params, random_params, tensor_spec
+from kk_jax.cache.pools import (CacheLayout, SlotSpec, abstract_pools, allocate_pools, bytes_per_page, pool_sharding,
+                                zero_slots)
+from kk_jax.checkpoint.loader import (Stack, TensorSpec, abstract_params, expected_tensors, load_params, random_params,
+                                      tensor_spec)
 from kk_jax.config import ConfigError, EngineConfig
 from kk_jax.engine.request import MAX_LOGPROBS
 from kk_jax.engine.sampler import SamplingArrays, sample
@@ -72,11 +74,12 @@ def pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def resolve_backend(name: str) -> str:
-    """``auto`` = Pallas kernels on an NVIDIA GPU, the jnp twins elsewhere."""
+def resolve_backend(name: str, platform: str) -> str:
+    """``auto`` = Pallas kernels on an NVIDIA GPU (``platform`` of the mesh's devices), the jnp
+    twins elsewhere."""
     if name != "auto":
         return name
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return "pallas" if platform == "gpu" else "xla"
 
 
 def kv_dtype(name: str, model_dtype):
@@ -205,22 +208,27 @@ def check_fp8_activations(model_dir: Path | None) -> None:
 
 class ModelRunner:
     def __init__(self, model_cls, model_cfg, model_dir: Path | None, dtype, cfg: EngineConfig, mesh: Mesh,
-                 progress: bool = True, random_weights_seed: int | None = None):
+                 progress: bool = True, random_weights_seed: int | None = None, compile_only: bool = False):
         """Loads weights from ``model_dir``, or draws random ones on the device when
-        ``random_weights_seed`` is given (benchmarks of full-size shapes without a checkpoint)."""
+        ``random_weights_seed`` is given (benchmarks of full-size shapes without a checkpoint).
+        ``compile_only``: weights and pools are shapes and shardings only, nothing is allocated
+        or loaded; the runner lowers and compiles its steps (e.g. for a compile-only GPU mesh,
+        ``benchmarks/decode_hlo.py``) but cannot run them."""
         self.cfg, self.mesh, self.model_cfg = cfg, mesh, model_cfg
+        self.compile_only = compile_only
         check_divisible(mesh, **model_cls.divisible_sizes(model_cfg))
-        self.backend = resolve_backend(cfg.kernel_backend)
-        on_gpu = jax.default_backend() == "gpu"
+        platform = mesh.devices.flat[0].platform
+        self.backend = resolve_backend(cfg.kernel_backend, platform)
+        on_gpu = platform == "gpu"
         self.dense_backend = cfg.dense_decode_backend
         if self.dense_backend == "auto":      # the weight-streaming kernel: 1.035x per Qwen3-8B decode step
             self.dense_backend = "pallas" if self.backend == "pallas" and on_gpu else "xla"
         if self.dense_backend == "pallas" and not on_gpu:
             raise ConfigError("dense_decode_backend 'pallas' runs a Mosaic GPU kernel and needs an NVIDIA GPU; "
-                              f"this machine's JAX backend is {jax.default_backend()!r} (use xla)")
+                              f"the mesh's devices are {platform!r} (use xla)")
         if cfg.kda_backend == "pallas" and not on_gpu:
             raise ConfigError(f"kda_backend 'pallas' runs the Mosaic GPU KDA kernels and needs an NVIDIA GPU; "
-                              f"this machine's JAX backend is {jax.default_backend()!r} (use auto or xla)")
+                              f"the mesh's devices are {platform!r} (use auto or xla)")
         self.ops = model_cls.make_ops(model_cfg, mesh, self.backend, kda_backend=cfg.kda_backend)
         self.max_pages_per_seq = math.ceil(cfg.max_model_len / cfg.page_size)
         self.buckets = Buckets.make(cfg.max_num_seqs, cfg.max_num_batched_tokens)
@@ -236,7 +244,8 @@ class ModelRunner:
             act_quant=cfg.fp8_activations, dense_backend=self.dense_backend), model_dir, mesh=mesh))
         scan_plan = getattr(model_cls, "layer_scan", lambda _: None)(model_cfg) if cfg.scan_layers else None
         t0 = time.perf_counter()
-        if random_weights_seed is None:     # checkpoint names of the per-layer, per-expert model
+        from_checkpoint = random_weights_seed is None and not compile_only
+        if from_checkpoint:                 # checkpoint names of the per-layer, per-expert model
             expected, expert_stacks = checkpoint_tensors(nnx.to_flat_state(nnx.state(abstract)))
         if scan_plan and not abstract.stack_layers(scan_plan):
             log.warning("layers %s differ in their parameters (e.g. quantized in some, not others): "
@@ -244,13 +253,14 @@ class ModelRunner:
             scan_plan = None
         self.graphdef, state = nnx.split(abstract)
         flat = nnx.to_flat_state(state)
-        if random_weights_seed is None:
+        if from_checkpoint:
             params = load_params(model_dir, expected, dtype, mesh, progress=progress,
                                  ignore=model_cls.ignored_tensors(model_cfg, **extra),
                                  stacks=param_stacks(flat, expert_stacks))
         else:                               # drawn in the model's own (stacked) shapes
             expected = expected_tensors(flat)
-            params = random_params(expected, dtype, mesh, random_weights_seed)
+            params = (abstract_params(expected, dtype, mesh) if compile_only else
+                      random_params(expected, dtype, mesh, random_weights_seed))
         pure = {}
         for path, var in flat:
             node = pure
@@ -260,7 +270,7 @@ class ModelRunner:
         nnx.replace_by_pure_dict(state, pure)
         self.weights, self.treedef = jax.tree.flatten(state)
         self.weights = tuple(self.weights)
-        self.weight_bytes = sum(w.nbytes for w in self.weights)
+        self.weight_bytes = sum(math.prod(w.shape) * jnp.dtype(w.dtype).itemsize for w in self.weights)
         log.info("loaded %d tensors (%.1f MB) in %.2fs", len(expected), self.weight_bytes / 1e6,
                  time.perf_counter() - t0)
 
@@ -271,8 +281,8 @@ class ModelRunner:
             raise ValueError(f"the KV cache holds {self.num_pages - 1} pages of {cfg.page_size} tokens, fewer than "
                              f"one sequence of max_model_len={cfg.max_model_len} needs ({self.max_pages_per_seq}); "
                              "raise --num-pages/--gpu-memory-utilization or lower --max-model-len")
-        self.pools = allocate_pools(self.layout, num_pages=self.num_pages, page_size=cfg.page_size,
-                                    num_slots=cfg.max_num_seqs + 1, mesh=mesh)
+        self.pools = (abstract_pools if compile_only else allocate_pools)(
+            self.layout, num_pages=self.num_pages, page_size=cfg.page_size, num_slots=cfg.max_num_seqs + 1, mesh=mesh)
         self.pool_shardings = {n: pool_sharding(s, mesh) for n, s in self.layout.items()}
         self.has_slots = any(isinstance(s, SlotSpec) for s in self.layout.values())
         self._compiled: dict = {}
@@ -284,7 +294,7 @@ class ModelRunner:
     # ---------------------------------------------------------------- memory
     def _pages_from_budget(self) -> int:
         """Pages that fit in gpu_memory_utilization of device memory after the weights."""
-        stats = self.mesh.devices.flat[0].memory_stats() or {}
+        stats = {} if self.compile_only else (self.mesh.devices.flat[0].memory_stats() or {})
         if not stats.get("bytes_limit"):   # CPU: no memory statistics; size for max_num_seqs full-length sequences
             return self.cfg.max_num_seqs * self.max_pages_per_seq + 1
         free = memory_budget(stats["bytes_limit"], self.cfg.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
@@ -422,6 +432,8 @@ class ModelRunner:
         pages cover every position written, page and slot ids are in range and owned by one
         row each, and state slots are given when the model keeps per-sequence state. A
         rejected step raises StepError and leaves every pool exactly as it was."""
+        if self.compile_only:
+            raise RuntimeError("this runner is compile-only: its weights and pools are not on a device")
         problems, seen_pages, seen_slots = [], set(), set()
         if not rows or len(rows) > max(self.buckets.decode[-1], max(b for b, _ in self.buckets.prefill)):
             problems.append(f"a step needs 1..max_num_seqs rows, got {len(rows)}")

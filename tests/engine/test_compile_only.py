@@ -1,0 +1,46 @@
+"""A compile-only ModelRunner: lowers and compiles its steps without weights or pools on a device."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kk_jax.config import EngineConfig, Qwen3Config
+from kk_jax.engine.request import SamplingParams
+from kk_jax.engine.runner import DecodeRow, ModelRunner
+from kk_jax.models.qwen3 import Qwen3ForCausalLM
+from kk_jax.parallel.mesh import make_mesh
+
+CFG = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                  rope_theta=1e4, max_position_embeddings=512, tie_word_embeddings=False)
+ECFG = EngineConfig(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=16, page_size=16, num_pages=20,
+                    decode_steps=2)
+
+
+def runner(**kw):
+    return ModelRunner(Qwen3ForCausalLM, CFG, None, jnp.float32, ECFG, make_mesh(1), progress=False, **kw)
+
+
+def program(r) -> str:
+    """The compiled decode step's HLO without source locations (they name the caller's lines)."""
+    text = r._compile("decode", 1).as_text()
+    return re.sub(r", metadata=\{[^}]*\}", "", text.split("\n\nFileNames")[0])
+
+
+def test_compile_only_runner_allocates_nothing_and_compiles_the_same_step():
+    abstract, real = runner(compile_only=True), runner(random_weights_seed=0)
+    assert not any(isinstance(w, jax.Array) for w in abstract.weights)
+    assert not any(isinstance(p, jax.Array) for p in abstract.pools.values())
+    assert abstract.weight_bytes == real.weight_bytes
+    assert [(w.shape, w.dtype, w.sharding) for w in abstract.weights] == \
+           [(w.shape, w.dtype, w.sharding) for w in real.weights]
+    assert {n: (p.shape, p.dtype) for n, p in abstract.pools.items()} == \
+           {n: (p.shape, p.dtype) for n, p in real.pools.items()}
+    assert program(abstract) == program(real)
+    row = DecodeRow(token=1, position=3, pages=[1], slot=0, budget=2, stop_ids=[],
+                    params=SamplingParams(max_tokens=2, temperature=0.0), seed=0, token_index=0)
+    with pytest.raises(RuntimeError, match="compile-only"):
+        abstract.decode([row])
+    assert len(real.decode([row])[0].tokens) == 2
