@@ -56,19 +56,22 @@ device_description_str: "NVIDIA H200"
 LAUNCH = re.compile(r"^\s*(\S+) = .*?\b(fusion|custom-call|conditional)\(")
 
 
-def h200_mesh() -> Mesh:
-    topo = topologies.get_topology_desc("h200", "cuda", topology="1x1x1", target_config=H200)
+def h200_mesh(tp: int = 1) -> Mesh:
+    """A ``tp``-way mesh of compile-only H200s (one host)."""
+    topo = topologies.get_topology_desc("h200", "cuda", topology=f"1x1x{tp}", target_config=H200)
     return Mesh(np.array(topo.devices), ("tp",))
 
 
-def decode_program(layers: int, batch: int, steps: int = 8, context: int = 1024, page_size: int = 64) -> str:
+def decode_program(layers: int, batch: int, tp: int = 1, steps: int = 8, context: int = 1024,
+                   page_size: int = 64) -> str:
     """HLO text of the compiled decode loop of a ``layers``-layer Qwen3-8B-shaped model."""
     cfg = dataclasses.replace(QWEN3_8B, num_hidden_layers=layers)
     max_len = context + steps + page_size
     pages = -(-max_len // page_size)
     ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=batch, max_num_batched_tokens=page_size,
-                        page_size=page_size, num_pages=batch * pages + 1, decode_steps=steps, kernel_backend="pallas")
-    runner = ModelRunner(Qwen3ForCausalLM, cfg, None, jnp.bfloat16, ecfg, h200_mesh(), progress=False,
+                        page_size=page_size, num_pages=batch * pages + 1, decode_steps=steps, kernel_backend="pallas",
+                        tp=tp)
+    runner = ModelRunner(Qwen3ForCausalLM, cfg, None, jnp.bfloat16, ecfg, h200_mesh(tp), progress=False,
                          compile_only=True)
     return runner._compile("decode", batch).as_text()
 
@@ -85,9 +88,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--hlo", default=None, help="also write the compiled program's HLO text here")
     args = ap.parse_args()
-    hlo = decode_program(args.layers, args.batch)
+    hlo = decode_program(args.layers, args.batch, args.tp)
     if args.hlo:
         with open(args.hlo, "w") as f:
             f.write(hlo)
@@ -98,7 +102,7 @@ def main():
     calls = [i for i, (_, kind) in enumerate(launches) if kind == "custom-call"]
     per_call = len(calls) // args.layers
     per_layer = f"; {calls[per_call] - calls[0]} per layer" if args.layers > 1 and per_call else ""
-    print(f"{len(launches)} kernel launches per decode step at {args.layers} layers, batch {args.batch} "
+    print(f"{len(launches)} kernel launches per decode step at {args.layers} layers, batch {args.batch}, tp {args.tp} "
           f"({len(calls)} Mosaic GPU custom calls){per_layer}")
 
 if __name__ == "__main__":
