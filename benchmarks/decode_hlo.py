@@ -63,15 +63,22 @@ def h200_mesh(tp: int = 1) -> Mesh:
 
 
 def decode_program(layers: int, batch: int, tp: int = 1, steps: int = 8, context: int = 1024,
-                   page_size: int = 64) -> str:
-    """HLO text of the compiled decode loop of a ``layers``-layer Qwen3-8B-shaped model."""
-    cfg = dataclasses.replace(QWEN3_8B, num_hidden_layers=layers)
+                   page_size: int = 64, model: str = "qwen3") -> str:
+    """HLO text of the compiled decode loop of a ``layers``-layer Qwen3-8B-shaped model (or
+    GLM-5.3-Flash-shaped, ``model="glm5"``: the real KDA / DSA and dense / MoE layer pattern)."""
+    if model == "glm5":
+        from bench_glm5 import flash_config
+
+        from kk_jax.models.glm5_next import Glm5NextForConditionalGeneration as model_cls
+        cfg = flash_config(layers, dense=min(3, layers))
+    else:
+        model_cls, cfg = Qwen3ForCausalLM, dataclasses.replace(QWEN3_8B, num_hidden_layers=layers)
     max_len = context + steps + page_size
     pages = -(-max_len // page_size)
     ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=batch, max_num_batched_tokens=page_size,
                         page_size=page_size, num_pages=batch * pages + 1, decode_steps=steps, kernel_backend="pallas",
-                        tp=tp)
-    runner = ModelRunner(Qwen3ForCausalLM, cfg, None, jnp.bfloat16, ecfg, h200_mesh(tp), progress=False,
+                        tp=tp, scan_layers=False)       # unrolled: one flat loop body to count
+    runner = ModelRunner(model_cls, cfg, None, jnp.bfloat16, ecfg, h200_mesh(tp), progress=False,
                          compile_only=True)
     return runner._compile("decode", batch).as_text()
 
@@ -89,9 +96,10 @@ def main():
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--model", choices=("qwen3", "glm5"), default="qwen3")
     ap.add_argument("--hlo", default=None, help="also write the compiled program's HLO text here")
     args = ap.parse_args()
-    hlo = decode_program(args.layers, args.batch, args.tp)
+    hlo = decode_program(args.layers, args.batch, args.tp, model=args.model)
     if args.hlo:
         with open(args.hlo, "w") as f:
             f.write(hlo)
@@ -101,8 +109,10 @@ def main():
     # layers are alike: a layer is what lies between its first custom call and the next layer's
     calls = [i for i, (_, kind) in enumerate(launches) if kind == "custom-call"]
     per_call = len(calls) // args.layers
-    per_layer = f"; {calls[per_call] - calls[0]} per layer" if args.layers > 1 and per_call else ""
-    print(f"{len(launches)} kernel launches per decode step at {args.layers} layers, batch {args.batch}, tp {args.tp} "
+    uniform = args.model == "qwen3" and args.layers > 1 and per_call
+    per_layer = f"; {calls[per_call] - calls[0]} per layer" if uniform else ""
+    print(f"{len(launches)} kernel launches per decode step of {args.model} at {args.layers} layers, "
+          f"batch {args.batch}, tp {args.tp} "
           f"({len(calls)} Mosaic GPU custom calls){per_layer}")
 
 if __name__ == "__main__":
