@@ -3,7 +3,9 @@
 The engine's decode loop (``ModelRunner`` in compile-only mode, Qwen3-8B shape, Pallas kernels)
 is compiled for a compile-only H200: JAX's deviceless compilation, the CUDA PJRT plugin given a
 description of the GPU instead of a device. The program is the one the H200 runs (same fusions,
-same Mosaic GPU custom calls; only XLA's autotuned GEMM tilings can differ), so the number of
+same Mosaic GPU custom calls; only XLA's autotuned GEMM tilings can differ, and tokamax ops,
+which choose their implementation from the process's default device, appear as their XLA
+fallbacks), so the number of
 kernel launches per decode step and what each fuses can be read and changed on a CPU machine;
 times still need the GPU (``bench_decode.py``).
 
