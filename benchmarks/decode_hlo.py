@@ -1,19 +1,18 @@
 """The kernels of one decode step as XLA compiles them for the H200, on a machine without a GPU.
 
-The engine's decode loop (``ModelRunner`` in compile-only mode, Qwen3-8B shape, Pallas kernels)
-is compiled for a compile-only H200: JAX's deviceless compilation, the CUDA PJRT plugin given a
-description of the GPU instead of a device. The program is the one the H200 runs (same fusions,
-same Mosaic GPU custom calls; only XLA's autotuned GEMM tilings can differ, and tokamax ops,
-which choose their implementation from the process's default device, appear as their XLA
-fallbacks), so the number of
-kernel launches per decode step and what each fuses can be read and changed on a CPU machine;
-times still need the GPU (``bench_decode.py``).
+The engine's decode loop (``ModelRunner`` in compile-only mode, Qwen3-8B or GLM-5.3-Flash
+shape, Pallas kernels) is compiled for a compile-only H200: JAX's deviceless compilation, the
+CUDA PJRT plugin given a description of the GPU instead of a device. The program is the one the
+H200 runs (same fusions, same Mosaic GPU custom calls; only XLA's autotuned GEMM tilings can
+differ, and tokamax ops, which choose their implementation from the process's default device,
+appear as their XLA fallbacks), so the number of kernel launches per decode step and what each
+fuses can be read and changed on a CPU machine; times still need the GPU (``bench_decode.py``).
 
 Needs the CUDA plugin, not the NVIDIA libraries or a driver:
 
     pip install jax-cuda13-plugin==0.11.2 jax-cuda13-pjrt==0.11.2    # e.g. into --target DIR
     JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python benchmarks/decode_hlo.py --layers 2 [--batch 1] \\
-        [--hlo step.txt]
+        [--tp 2] [--model glm5] [--hlo step.txt]
 
 Prints every kernel-launching instruction of one loop iteration (fusions, custom calls,
 conditionals) and the count per layer and for the rest of the step.
