@@ -15,7 +15,7 @@ Needs the CUDA plugin, not the NVIDIA libraries or a driver:
         [--tp 2] [--model glm5] [--hlo step.txt]
 
 Prints every kernel-launching instruction of one loop iteration (fusions, custom calls,
-conditionals) and the count per layer and for the rest of the step.
+conditionals), their total and, for Qwen3 (whose layers are alike), the count per layer.
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ def main():
     per_layer = f"; {calls[per_call] - calls[0]} per layer" if uniform else ""
     print(f"{len(launches)} kernel launches per decode step of {args.model} at {args.layers} layers, "
           f"batch {args.batch}, tp {args.tp} "
-          f"({len(calls)} Mosaic GPU custom calls){per_layer}")
+          f"({len(calls)} custom calls){per_layer}")
+
 
 if __name__ == "__main__":
     main()
