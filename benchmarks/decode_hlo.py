@@ -15,7 +15,8 @@ Needs the CUDA plugin, not the NVIDIA libraries or a driver:
         [--tp 2] [--model glm5] [--hlo step.txt]
 
 Prints every kernel-launching instruction of one loop iteration (fusions, custom calls,
-conditionals), their total and, for Qwen3 (whose layers are alike), the count per layer.
+conditionals), their total and, for Qwen3 (whose layers are alike), the count per layer, and
+the host seconds of lowering and compiling the step (start-up cost per decode bucket).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -64,9 +66,11 @@ def h200_mesh(tp: int = 1) -> Mesh:
 
 
 def decode_program(layers: int, batch: int, tp: int = 1, steps: int = 8, context: int = 1024,
-                   page_size: int = 64, model: str = "qwen3") -> str:
+                   page_size: int = 64, model: str = "qwen3") -> tuple[str, float, float]:
     """HLO text of the compiled decode loop of a ``layers``-layer Qwen3-8B-shaped model (or
-    GLM-5.3-Flash-shaped, ``model="glm5"``: the real KDA / DSA and dense / MoE layer pattern)."""
+    GLM-5.3-Flash-shaped, ``model="glm5"``: the real KDA / DSA and dense / MoE layer pattern),
+    with the seconds spent lowering it and compiling it (host work: the same on any machine
+    with this CPU, GPU or not)."""
     if model == "glm5":
         from bench_glm5 import flash_config
 
@@ -81,7 +85,11 @@ def decode_program(layers: int, batch: int, tp: int = 1, steps: int = 8, context
                         tp=tp, scan_layers=False)       # unrolled: one flat loop body to count
     runner = ModelRunner(model_cls, cfg, None, jnp.bfloat16, ecfg, h200_mesh(tp), progress=False,
                          compile_only=True)
-    return runner._compile("decode", batch).as_text()
+    t0 = time.perf_counter()
+    lowered = runner._lower("decode", batch)
+    t1 = time.perf_counter()
+    hlo = runner._compile("decode", batch, lowered=lowered).as_text()
+    return hlo, t1 - t0, time.perf_counter() - t1
 
 
 def loop_body_launches(hlo: str) -> list[tuple[str, str]]:
@@ -100,7 +108,7 @@ def main():
     ap.add_argument("--model", choices=("qwen3", "glm5"), default="qwen3")
     ap.add_argument("--hlo", default=None, help="also write the compiled program's HLO text here")
     args = ap.parse_args()
-    hlo = decode_program(args.layers, args.batch, args.tp, model=args.model)
+    hlo, lower_s, compile_s = decode_program(args.layers, args.batch, args.tp, model=args.model)
     if args.hlo:
         with open(args.hlo, "w") as f:
             f.write(hlo)
@@ -114,7 +122,7 @@ def main():
     per_layer = f"; {calls[per_call] - calls[0]} per layer" if uniform else ""
     print(f"{len(launches)} kernel launches per decode step of {args.model} at {args.layers} layers, "
           f"batch {args.batch}, tp {args.tp} "
-          f"({len(calls)} custom calls){per_layer}")
+          f"({len(calls)} custom calls){per_layer}; lowered in {lower_s:.1f} s, compiled in {compile_s:.1f} s")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -69,6 +71,7 @@ def _w8a8(x2, w_q, w_scale_inv, np_, out_dtype, interpret, **plan_overrides):
     return wd.finish(y, p, m, n, out_dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("p", "out_dtype", "interpret"))
 def w8a8_matmul(xq, sxt, w, sw, *, p: wd.Plan, out_dtype, interpret=False):
     """xq [Mp, K] e4m3, sxt [K/128, Mp] f32, w [Np, K] e4m3, sw [ceil(N/128), K/128] f32."""
     mp, k = xq.shape

@@ -49,6 +49,8 @@ than about -5.6 per token can lose accuracy there (use backend="xla" for such ga
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -281,6 +283,7 @@ def _split(x):
   return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
+@functools.partial(jax.jit, static_argnames=("interpret",))
 def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
   """Stages 1-2 on the tensor cores (Mosaic GPU), one CTA per (head, chunk).
 
@@ -486,6 +489,7 @@ def _intra_inputs(q, k, v, g, beta):
           jnp.swapaxes(beta, 1, 2))
 
 
+@functools.partial(jax.jit, static_argnames=("out_dtype", "every", "num_ckpt", "interpret"))
 def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, every,
                num_ckpt, interpret):
   """Stages 3-4 (Mosaic GPU): sequential chunk scan + output, one CTA per (V tile, head,

@@ -66,6 +66,7 @@ the same swizzle (64 bytes for the 32-column groups), which ``wgmma`` requires.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -216,6 +217,7 @@ def scale_shapes(fmt: str, n: int, k: int, experts: int | None = None) -> list[t
     return []
 
 
+@functools.partial(jax.jit, static_argnames=("fmt", "p", "out_dtype", "expert_n", "interpret"))
 def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=None, expert_n=None,
                     interpret=False):
     """Runs the kernel on operands padded along N and K.

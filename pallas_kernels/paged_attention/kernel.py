@@ -36,6 +36,7 @@ NaN) in unused pool slots never reaches the output; rows with kv_len == 0 are 0.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -238,6 +239,7 @@ def paged_decode_attention_kernel(
   return o.astype(q.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("num_splits", "num_stages", "block_tokens", "interpret"))
 def _paged_call(qs, k_pages, v_pages, page_table, kv_lens, *, num_splits,
                 num_stages, block_tokens, interpret):
   batch, num_kv_heads, group_p, head_dim = qs.shape
