@@ -256,7 +256,8 @@ def bench_prefill(results, fla, budget, quick, shapes=None, tokamax=True):
 
 def _stage_inputs(a):
   """The stages of our B=1 prefill as separate jitted functions with their real inputs:
-  prep (XLA: l2norm, GVA, chunk cumsum, layouts), the Mosaic GPU intra-chunk kernel, the scan.
+  prep (XLA: l2norm, GVA, layouts; the chunk cumsum kernel), the Mosaic GPU intra-chunk kernel,
+  the scan.
   Returns (prep, prep's args, intra, intra's args, scan, scan's args)."""
   q, _k, _v, _g, _beta = a
   b, t, h, _d = q.shape
@@ -266,7 +267,8 @@ def _stage_inputs(a):
   def prep(q, k, v, g, beta):
     qf, kf = kk.prepare_qk(q, k, scale=None, use_qk_l2norm=True, hv=h)
     r = lambda x: x.reshape((b * t // c, c) + x.shape[2:])
-    return kk._intra_inputs(r(qf), r(kf), r(v), r(g.astype(f32)), r(beta.astype(f32)))
+    return kk._intra_inputs(r(qf), r(kf), r(v), r(g.astype(f32)), r(beta.astype(f32)),
+                            interpret=TINY)
 
   prep_j = jax.jit(prep)
   ins = jax.block_until_ready(prep_j(*a))

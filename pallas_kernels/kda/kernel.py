@@ -15,8 +15,8 @@ read and one write of the state per call (decode) -- the roofline for this op.
 
 Chunked prefill (`chunk_kda_pallas`), fla's stage split with stages 3 and 4 fused:
   0.   XLA input prep: l2norm + scale of q/k and GVA expansion (one fused elementwise
-       pass, bf16 out), chunk-local fp32 cumsum Gamma of g, and for varlen the gather into
-       sequence-aligned 64-token chunks.
+       pass, bf16 out) and for varlen the gather into sequence-aligned 64-token chunks;
+       the chunk-local fp32 cumsum Gamma of g (`chunk_cumsum.py`, Mosaic GPU).
   1-2. `_intra_call` (Mosaic GPU, one CTA per (head, chunk), all chunks in parallel):
        A_qk / A_kk with the 16-token sub-chunk reference trick (exp(Gamma_i - r) *
        exp(r - Gamma_j), r = Gamma at the first token of row i's sub-chunk; 4 passes of 2
@@ -60,6 +60,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.common import interpret_kwargs
 
 from ._common import KDACheckpoints, prepare_qk
+from .chunk_cumsum import chunk_cumsum, kernel_supported as cumsum_kernel_supported
 from .reference import CHUNK, _chunk_table
 
 SUPPORTED_DIMS = (64, 128)
@@ -482,11 +483,13 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
   return call(qn, kn, v, gam, beta_t)
 
 
-def _intra_inputs(q, k, v, g, beta):
+def _intra_inputs(q, k, v, g, beta, *, interpret):
   """Chunk-layout inputs (as `_intra`; v bf16 or f32) -> the operands of `_intra_call`: bf16
-  q / k, v as given, the chunk-local cumsum of g, beta head-major."""
-  return (q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v, jnp.cumsum(g, axis=1),
-          jnp.swapaxes(beta, 1, 2))
+  q / k, v as given, the chunk-local cumsum of g (`chunk_cumsum` where HV*K fills its 128-column
+  groups, XLA's otherwise), beta head-major."""
+  gam = (chunk_cumsum(g, interpret=interpret) if cumsum_kernel_supported(g)
+         else jnp.cumsum(g, axis=1))
+  return q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v, gam, jnp.swapaxes(beta, 1, 2)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "every", "num_ckpt", "interpret"))
@@ -670,7 +673,8 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     out_idx = jnp.where(ok, tok, t).reshape(-1)
   chunks = tuple(map(to_chunks, (qf, kf, vf, gf, bf)))
   if intra == "pallas":
-    w, qg, kg, u, a, gl = _intra_call(*_intra_inputs(*chunks), interpret=interpret)
+    w, qg, kg, u, a, gl = _intra_call(*_intra_inputs(*chunks, interpret=interpret),
+                                      interpret=interpret)
   else:
     w, qg, kg, u, a, gl = _intra(*chunks)
   init = None if initial_state is None else initial_state.astype(jnp.float32)
