@@ -280,7 +280,7 @@ def _stage_inputs(a):
   lens = jnp.full((n,), t, jnp.int32)
   scan = jax.jit(lambda *o: kk._scan_call(*o, cs, ncs, lens, None, None,
                                           out_dtype=jnp.bfloat16, every=None, num_ckpt=0,
-                                          interpret=TINY))
+                                          vt=kk._scan_v_tile(n, h, _v.shape[-1]), interpret=TINY))
   return prep_j, a, intra, ins, scan, ops
 
 

@@ -76,18 +76,26 @@ def check_kernel_dims(kd, vd):
                      f"V={vd}; use backend='xla' for other head sizes")
 
 
-def _swizzled(dtype, cols):
+def _swizzled(dtype, cols, max_bytes=128):
   """SMEM transforms (tiling + swizzle) for a tile whose rows hold `cols` elements of `dtype`:
   the layout wgmma operands need, and the one that lets WGMMA-layout register loads/stores of
   f32 tiles run without shared-memory bank conflicts (an unswizzled 256-512 B row stride puts
-  the 8 rows a warp touches on the same banks)."""
+  the 8 rows a warp touches on the same banks). Both operands of a wgmma need the same swizzle:
+  `max_bytes` caps it to the narrowest operand's row."""
   bits = jnp.dtype(dtype).itemsize * 8
-  sw = plgpu.find_swizzle(cols * bits, "lhs")
+  sw = plgpu.find_swizzle(min(cols * bits, max_bytes * 8), "lhs")
   return (plgpu.TilingTransform((8, sw * 8 // bits)), plgpu.SwizzleTransform(sw))
 
 
-def _v_tile(vd):
-  return min(64, vd)
+_NARROW_SCAN_CTAS = 132    # prefill scan: 64-wide V tiles below this many CTAs become 32 wide
+
+
+def _scan_v_tile(n, hv, vd):
+  """V tile of the prefill scan's grid (V tiles x heads x sequences, each CTA walking its
+  sequence's chunks in order): 32 columns when 64-wide tiles would leave SMs idle, 64 otherwise.
+  H200, T = 32K, V = 128, one process: HV = 32 (64 -> 128 CTAs) 0.817 -> 0.747 ms; HV = 64
+  (128 -> 256 CTAs, not taken) 1.04 -> 1.91 ms."""
+  return 32 if n * hv * (vd // 64) < _NARROW_SCAN_CTAS else min(64, vd)
 
 
 _NARROW_STEP_ROWS = 1024   # decode / verify: rows x heads up to which V tiles are 32 wide
@@ -492,22 +500,21 @@ def _intra_inputs(q, k, v, g, beta, *, interpret):
   return q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v, gam, jnp.swapaxes(beta, 1, 2)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "every", "num_ckpt", "interpret"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "every", "num_ckpt", "vt", "interpret"))
 def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, every,
-               num_ckpt, interpret):
+               num_ckpt, vt, interpret):
   """Stages 3-4 (Mosaic GPU): sequential chunk scan + output, one CTA per (V tile, head,
   sequence).
 
   w, qg, kg [NC,HV,C,K] bf16; u [NC,HV,C,V] f32; a [NC,HV,C,C] bf16; gl [NC,HV,K] f32;
   cs, ncs, lens [N] int32 (first chunk, chunk count, token count of each sequence);
-  init [N,HV,K,V] f32 or None; ck_off [N] int32 (first checkpoint row) when every is set.
-  Returns o [NC,C,HV,V] (out_dtype; rows of unused chunk slots are unwritten), final
+  init [N,HV,K,V] f32 or None; ck_off [N] int32 (first checkpoint row) when every is set;
+  vt the V tile (`_scan_v_tile`). Returns o [NC,C,HV,V] (out_dtype; rows of unused chunk slots are unwritten), final
   [N,HV,K,V] f32 and, when every is set, checkpoints [num_ckpt,HV,K,V] f32.
   """
   nct, hv, c, kd = w.shape
   vd = u.shape[-1]
   n = cs.shape[0]
-  vt = _v_tile(vd)
   f32, bf = jnp.float32, jnp.bfloat16
   has_init = init is not None
 
@@ -591,7 +598,8 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
     plgpu.copy_smem_to_gmem(sf_smem, fin_ref.at[sq, h, :, cols])
     plgpu.wait_smem_to_gmem(0)
 
-  sw_k, sw_c, sw_v = _swizzled(bf, kd), _swizzled(bf, c), _swizzled(bf, vt)
+  sw = vt * 2                             # bf16 bytes of the narrowest operand row (<= 128)
+  sw_k, sw_c, sw_v = _swizzled(bf, kd, sw), _swizzled(bf, c, sw), _swizzled(bf, vt)
   scratch = {
       "w_smem": plgpu.SMEM((2, c, kd), bf, transforms=sw_k),
       "qg_smem": plgpu.SMEM((2, c, kd), bf, transforms=sw_k),
@@ -685,7 +693,8 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     ck_off = (jnp.cumsum(per) - per).astype(jnp.int32)
     num_ckpt = t // every if cu_seqlens is not None else b * (t // every)
   outs = _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens.astype(jnp.int32), init, ck_off,
-                    out_dtype=v.dtype, every=every, num_ckpt=num_ckpt, interpret=interpret)
+                    out_dtype=v.dtype, every=every, num_ckpt=num_ckpt,
+                    vt=_scan_v_tile(n, hv, vd), interpret=interpret)
   oc, final = outs[0], outs[1]
   if out_idx is None:
     o = oc.reshape(b, -1, hv, vd)[:, :t]

@@ -70,6 +70,23 @@ def test_chunk_kernel_batched_gva_fp32():
   np.testing.assert_array_equal(np.asarray(o2), np.asarray(o))
 
 
+def test_chunk_kernel_scan_tile_widths_agree(monkeypatch):
+  """The scan's 32-column V tiles (few CTAs) and 64-column ones give the same outputs."""
+  q, k, v, g, beta = make_inputs(t=200, h=2, kd=128, vd=128, seed=9)
+  init = rand_state(1, 2, 128, 128)
+  run = lambda: chunk_kda(q, k, v, g, beta, initial_state=init, output_final_state=True,
+                          use_qk_l2norm=True, backend="pallas", interpret=_interpret())
+  assert kernel._scan_v_tile(1, 2, 128) == 32
+  narrow = run()
+  monkeypatch.setattr(kernel, "_NARROW_SCAN_CTAS", 0)
+  assert kernel._scan_v_tile(1, 2, 128) == 64
+  wide = run()
+  for a, b in zip(narrow, wide):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-6)
+  oo, ff, _ = kda_oracle(q, k, v, g, beta, initial_state=init, use_qk_l2norm=True, dtype=np.float64)
+  assert rel_err(wide[0], oo) < PREFILL_TOL and rel_err(wide[1], ff) < PREFILL_TOL
+
+
 # -------------------------------------------------------------------------- decode
 
 
