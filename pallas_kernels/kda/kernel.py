@@ -509,8 +509,9 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
   w, qg, kg [NC,HV,C,K] bf16; u [NC,HV,C,V] f32; a [NC,HV,C,C] bf16; gl [NC,HV,K] f32;
   cs, ncs, lens [N] int32 (first chunk, chunk count, token count of each sequence);
   init [N,HV,K,V] f32 or None; ck_off [N] int32 (first checkpoint row) when every is set;
-  vt the V tile (`_scan_v_tile`). Returns o [NC,C,HV,V] (out_dtype; rows of unused chunk slots are unwritten), final
-  [N,HV,K,V] f32 and, when every is set, checkpoints [num_ckpt,HV,K,V] f32.
+  vt the V tile (`_scan_v_tile`). Returns o [NC,C,HV,V] (out_dtype; rows of unused chunk
+  slots are unwritten), final [N,HV,K,V] f32 and, when every is set, checkpoints
+  [num_ckpt,HV,K,V] f32.
   """
   nct, hv, c, kd = w.shape
   vd = u.shape[-1]
