@@ -7,7 +7,7 @@ Used by ``pallas_kernels.{mxfp8,fp8_block,nvfp4,dense_matmul}``. Hopper has no b
 tensor-core instruction, so each CTA streams its quantized weight tile HBM -> SMEM with TMA (the
 MXFP8 / NVFP4 per-block scales of the tile with it, as a [tk / block, 64] tile of the transposed
 scale array), dequantizes it in registers (exact bit tricks, below) and feeds the bf16 values to
-``wgmma`` straight from registers (block FP8: through SMEM). The product is "swapped" (A =
+``wgmma`` straight from registers. The product is "swapped" (A =
 weight rows, B = tokens): the accumulator is ``[64 weight rows, bm tokens]``, so a decode batch
 of 1..64 tokens sits in wgmma's N dimension (multiple of 8) instead of being padded to M = 64.
 
@@ -28,8 +28,9 @@ Dequantization per format (``fmt``):
   one per-row scale vector (a row of the step's staged scale tile, read in the wgmma row layout).
   E8M0 0 (2^-127) maps to 0 (ModelOpt writes it for all-zero blocks, whose values are 0
   anyway) and 255 (NaN) to inf.
-* ``fp8_block``: one fp32 scale per 64x``tk`` tile (the tile sits inside one 128x128 block):
-  ``bf16(f32(e4m3) * scale)``, rounded once, exactly as the jnp reference does.
+* ``fp8_block``: one fp32 scale per 128-column group of the tile (64 x min(128, tk), inside one
+  128x128 block; read from HBM as a scalar per group and step): ``bf16(f32(e4m3) * scale)``,
+  rounded once, exactly as the jnp reference does.
 * ``nvfp4``: bytes hold E2M1 codes, element 2i in the low nibble. A code's 3 magnitude bits
   placed at f16 bits 9..11 give ``e2m1 * 2^-14`` exactly (E2M1's subnormal 0.5 lands on an
   f16 subnormal), so ``value * scale = f16bits(code) * (2^14 * e4m3 scale)``: exact in bf16
@@ -137,13 +138,11 @@ SCALE_BLOCK = {"mxfp8": 32, "nvfp4": 16}
 
 def smem_bytes(fmt: str, bm: int, tk: int, stages: int, out_bytes: int = 4) -> int:
     """Shared memory of one CTA as compiled for the GPU: pipelined weight, activation and scale
-    tiles, the dequantized tiles (fp8_block only: MXFP8 / NVFP4 feed wgmma from registers, bf16
-    from its TMA tile), output."""
+    tiles, output (the dequantizing formats feed wgmma from registers, bf16 from its TMA tile)."""
     w_step = BN * {"nvfp4": tk // 2, "bf16": 2 * tk}.get(fmt, tk)
     x_step = bm * tk * (1 if fmt == "fp8_w8a8" else 2)
     s_step = BN * tk // SCALE_BLOCK[fmt] if fmt in SCALE_BLOCK else 0
-    wdq = 2 * BN * tk * 2 if fmt == "fp8_block" else 0
-    return stages * (w_step + x_step + s_step) + wdq + bm * BN * out_bytes
+    return stages * (w_step + x_step + s_step) + bm * BN * out_bytes
 
 
 def plan(m: int, n: int, k: int, fmt: str, *, tk: int | None = None, splits: int | None = None,
@@ -171,8 +170,6 @@ def plan(m: int, n: int, k: int, fmt: str, *, tk: int | None = None, splits: int
         cands = (64, 32)
     if fmt in SCALE_BLOCK:
         cands = tuple(c for c in cands if c >= 64) or (64,)
-    if fmt == "fp8_block":
-        cands = tuple(c for c in cands if c <= 128)
     if tk is not None:
         if fmt in SCALE_BLOCK and tk < 64:      # see the docstring
             raise ValueError(f"{fmt} needs a K step of at least 64 (staged scale tiles), got tk={tk}")
@@ -262,8 +259,10 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
     part_dtype = jnp.float32 if splits > 1 else jnp.dtype(out_dtype)
     bf16 = jnp.bfloat16
     staged = fmt in SCALE_BLOCK                  # per-block scales come through the pipeline
-    register_a = staged and not interpret        # dequantized tiles feed wgmma from registers
-    dequantized_smem = fmt == "fp8_block" or (staged and interpret)
+    dequantizing = fmt != "bf16"
+    # dequantized tiles feed wgmma from registers, except block FP8 at prefill tiles (see the docstring)
+    register_a = dequantizing and not interpret and not (fmt == "fp8_block" and bm > 64)
+    dequantized_smem = dequantizing and not register_a
     want = scale_shapes(fmt, n, k, w.shape[0] // n if grouped else None)
     if [tuple(a.shape) for a in scales] != want:
         raise ValueError(f"{fmt} scales {[tuple(a.shape) for a in scales]} do not match the padded operands "
@@ -276,6 +275,7 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
         op_tr = smem_tile(bf16, tk, swizzle=64)
         wdq_shape = (2, 1, BN, tk)
     elif fmt == "fp8_block":
+        groups, gw = tk // min(128, tk), min(128, tk)  # one 128x128 scale block per group
         w_block, w_tr = (BN, tk), smem_tile(jnp.float8_e4m3fn, tk)
         x_blocks = [(bm, tk)]
         op_tr = smem_tile(bf16, tk)
@@ -286,7 +286,7 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
         w_block, w_tr = (BN, half), smem_tile(jnp.uint8, half)
         x_blocks = [(bm, half), (bm, half)]
         op_tr = smem_tile(bf16, half, swizzle=64)
-        wdq_shape = (2, 2, BN, half)         # (mxfp8 / nvfp4: allocated only for the interpreter)
+        wdq_shape = (2, 2, BN, half)         # (allocated only for the interpreter)
     elif fmt == "bf16":
         w_block, w_tr = (BN, tk), smem_tile(bf16, tk)
         x_blocks = [(bm, tk)]
@@ -309,8 +309,24 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
         wb = e * (n // BN) + nb                      # weight row block
 
         def tile():
-            def step_scales(s_smem):
-                """Per-row scale vectors (ROW layout) of this step, from its TMA-staged [blocks, 64] tile."""
+            def block_scales(kk):
+                """fp8_block: the scalar scale of each group's 128x128 block at step kk."""
+                return [s_gmem[0][(wb * BN) // 128, ((k0 + kk) * tk + gw * j) // 128] for j in range(groups)]
+
+            # fp8_block, few steps per CTA (decode): every scale read once before the pipeline starts,
+            # so that no step waits on a scalar load from HBM
+            early = [block_scales(st) for st in range(nk)] if fmt == "fp8_block" and nk * groups <= 16 else None
+
+            def step_scales(s_smem, kk):
+                """mxfp8 / nvfp4: per-row scale vectors (ROW layout) of this step, from its TMA-staged
+                [blocks, 64] tile; fp8_block: the scalar scale of each group's 128x128 block."""
+                if fmt == "fp8_block" and early is None:
+                    return tuple(block_scales(kk))
+                if fmt == "fp8_block":
+                    picked = early[0]
+                    for st in range(1, nk):
+                        picked = [jnp.where(kk == st, a, b) for a, b in zip(early[st], picked)]
+                    return tuple(picked)
                 rows_ = [plgpu.load(s_smem.at[i], layout=ROW) for i in range(s_smem.shape[0])]
                 if fmt == "mxfp8":
                     return tuple(_e8m0_to_bf16(r) for r in rows_)
@@ -319,10 +335,12 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
             cw = min(128, w_block[1])                # stored columns (bytes) per register load = the swizzle
 
             def load_chunk(w_smem, c):
-                """Columns [cw*c, cw*(c+1)) of the stored tile, converted: f16-exact bf16 (mxfp8) or int16 bytes."""
-                raw = plgpu.load(w_smem.at[:, pl.ds(cw * c, cw)], layout=UPCAST_2X)
-                raw = plgpu.layout_cast(raw, WGMMA)
-                return raw.astype(jnp.float16).astype(bf16) if fmt == "mxfp8" else raw.astype(jnp.int16)
+                """Columns [cw*c, cw*(c+1)) of the stored tile, converted: f16-exact bf16 (mxfp8), f32
+                (fp8_block) or int16 bytes (nvfp4)."""
+                raw = plgpu.layout_cast(plgpu.load(w_smem.at[:, pl.ds(cw * c, cw)], layout=UPCAST_2X), WGMMA)
+                if fmt == "nvfp4":
+                    return raw.astype(jnp.int16)
+                return raw.astype(jnp.float16).astype(bf16 if fmt == "mxfp8" else jnp.float32)
 
             def dequant_groups(w_smem, sc):
                 """Yields, per 32-column group j of the step, its dequantized bf16 operand(s)."""
@@ -334,6 +352,8 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
                         yield dequant_group(v, sc, c * per + jj)
 
             def dequant_group(v, sc, j):
+                if fmt == "fp8_block":
+                    return ((v * sc[j]).astype(bf16),)
                 if fmt == "mxfp8":
                     return (v * lax.broadcast_in_dim(sc[j], v.shape, [0]),)
                 lo = lax.bitwise_and(v, jnp.int16(15))
@@ -345,13 +365,7 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
                     s = jnp.where(col < 8 * (i + 1), lax.broadcast_in_dim(sc[4 * j + i], (BN, gw), [0]), s)
                 return (_e2m1_times_2m14(lo).astype(bf16) * s, _e2m1_times_2m14(hi).astype(bf16) * s)
 
-            def dequant(w_smem, buf, sc, kk):
-                if fmt == "fp8_block":
-                    s = s_gmem[0][(wb * BN) // 128, ((k0 + kk) * tk) // 128]
-                    wt = plgpu.load(w_smem, layout=UPCAST_2X)
-                    wt = _e4m3_to_f32(plgpu.layout_cast(wt, WGMMA)) * s
-                    buf.at[0][...] = wt.astype(bf16)
-                    return
+            def dequant(w_smem, buf, sc):
                 for j, parts in enumerate(dequant_groups(w_smem, sc)):
                     cols = pl.ds(gw * j, gw)
                     for part, v in enumerate(parts):
@@ -362,7 +376,7 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
                     (kk,) = idx
                     s_smem = rest[-1] if staged else None
                     x_smems = rest[:-1] if staged else rest
-                    sc = step_scales(s_smem) if staged else ()
+                    sc = step_scales(s_smem, kk) if dequantizing else ()
                     if fmt == "bf16":        # the TMA tile is the wgmma operand
                         plgpu.wgmma(acc, w_smem, x_smems[0].T)
                         plgpu.wgmma_wait(0)
@@ -375,7 +389,7 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
                         plgpu.wgmma_wait(0)
                         return
                     buf = wdq[0].at[lax.rem(kk, 2)]
-                    dequant(w_smem, buf, sc, kk)
+                    dequant(w_smem, buf, sc)
                     plgpu.commit_smem()
                     for part, x_smem in enumerate(x_smems):
                         plgpu.wgmma(acc, buf.at[part], x_smem.T)
