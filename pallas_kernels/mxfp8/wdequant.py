@@ -14,7 +14,7 @@ of 1..64 tokens sits in wgmma's N dimension (multiple of 8) instead of being pad
 One kernel serves both shapes of the problem, only the tiling differs (``plan``):
 
 * decode (M <= 64): bm = 8/16/32/64 tokens, K split over ``splits`` CTAs so that
-  ``N/64 * splits`` CTAs fill the GPU (up to a per-format count, ``DECODE_CTAS``); fp32
+  ``N/64 * splits`` CTAs fill the GPU (up to a count per format and token tile, ``decode_cta_cap``); fp32
   partials are summed by the wrapper. The kernel
   is weight-streaming: 2-4 TMA stages of weight bytes in flight per CTA, tiles small enough
   for two CTAs per SM.
@@ -94,15 +94,21 @@ WGMMA = plgpu.Layout.WGMMA
 UPCAST_2X = plgpu.Layout.WGMMA_UPCAST_2X
 NUM_SMS = 132                # H200; only used to size the decode split
 # Decode: K is split until about this many CTAs exist. The register-dequantizing formats are
-# bound by each CTA's chain of loads, conversions and wgmmas, so many short CTAs (two K steps
-# each) beat a few long ones: one H200, M = 1, cap 12 x NUM_SMS against 3 x NUM_SMS, MXFP8
-# 12288x4096 24.2 against 29.1 us, 4096x12288 23.9 against 29.0; NVFP4 25.7 against 28.4 and
-# 25.8 against 27.2; grouped NVFP4 experts (GLM gate/up, 1 token) 44.1 against 53.9. bf16 and
-# block FP8 stream closer to HBM speed and lose more to the extra fp32 partials than they gain
-# (bf16 12288x4096 30.6 against 28.7 us, block FP8 30.5 against 27.6), so they keep the small
-# cap. (benchmarks/RESULTS.md, 2026-11-30 part 7.)
-DECODE_CTAS = {"mxfp8": 12 * NUM_SMS, "nvfp4": 12 * NUM_SMS}
-DECODE_CTAS_DEFAULT = 3 * NUM_SMS
+# bound by each CTA's chain of loads, conversions and wgmmas, so at up to 16 token rows many
+# short CTAs (two K steps each) beat a few long ones: one H200, M = 1, cap 12 x NUM_SMS against
+# 3 x NUM_SMS, MXFP8 12288x4096 24.2 against 29.1 us, 4096x12288 23.9 against 29.0; NVFP4 25.7
+# against 28.4 and 25.8 against 27.2; grouped NVFP4 experts (GLM gate/up, 1 token) 44.1 against
+# 53.9 (part 7); M = 16 MXFP8 20.6 against 25.9 us, block FP8 19.6 against 24.2 (part 11). At
+# 64 rows the larger fp32 partials cost more than the short CTAs gain: MXFP8 37.6 against 31.5
+# us, NVFP4 41.8 against 37.5, block FP8 35.3 against 30.0 (part 11). bf16 streams its TMA tiles
+# straight into wgmma and keeps the small cap (12288x4096 30.6 against 28.7 us).
+# (benchmarks/RESULTS.md, 2026-11-30 parts 7 and 11.)
+REGISTER_DEQUANT = ("mxfp8", "nvfp4", "fp8_block")
+
+
+def decode_cta_cap(fmt: str, bm: int) -> int:
+    """CTAs up to which a decode call splits K (see above)."""
+    return (12 if fmt in REGISTER_DEQUANT and bm <= 16 else 3) * NUM_SMS
 
 
 def smem_tile(dtype, minor: int, swizzle: int | None = None) -> tuple:
@@ -157,7 +163,7 @@ def plan(m: int, n: int, k: int, fmt: str, *, tk: int | None = None, splits: int
     every second stage at a misaligned address: CUDA_ERROR_MISALIGNED_ADDRESS on the H200).
     ``row_tiles``: the number of row tiles when it is not ceil(m / bm) (grouped calls: m is
     one tile's rows), for sizing the K split; decode splits K until ``max_ctas`` CTAs (default
-    per format: ``DECODE_CTAS``)."""
+    per format and token tile: ``decode_cta_cap``)."""
     decode = m <= 64
     budget = budget or SMEM_BUDGET["decode" if decode else "prefill"]
     if bm is None:
@@ -186,7 +192,7 @@ def plan(m: int, n: int, k: int, fmt: str, *, tk: int | None = None, splits: int
     if splits is None:
         splits = 1
         if decode:
-            max_ctas = max_ctas or DECODE_CTAS.get(fmt, DECODE_CTAS_DEFAULT)
+            max_ctas = max_ctas or decode_cta_cap(fmt, bm)
             ctas = (n // BN) * (row_tiles or -(-m // bm))
             for s in range(1, nk + 1):
                 if nk % s == 0 and nk // s >= 2 and ctas * s <= max_ctas:

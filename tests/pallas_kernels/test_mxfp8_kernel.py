@@ -98,20 +98,24 @@ def test_staged_scale_tiles_fill_the_tma_alignment(fmt):
 
 def test_decode_split_sizes_per_format():
     """Decode splits K as far as the format's CTA cap allows (each CTA at least two K steps,
-    splits dividing the steps): the register-dequantizing formats (MXFP8, NVFP4) go to many
-    short CTAs, bf16 and block FP8 stay at the smaller cap."""
+    splits dividing the steps): the register-dequantizing formats (MXFP8, NVFP4, block FP8) go
+    to many short CTAs up to 16 token rows, bf16 and 64-row tiles stay at the smaller cap."""
     from pallas_kernels.mxfp8 import wdequant as wd
 
     for n, k in ((12288, 4096), (4096, 12288), (4096, 4096)):
-        for fmt in ("mxfp8", "nvfp4", "bf16", "fp8_block"):
-            p = wd.plan(1, n, k, fmt)
-            nk, ctas = k // p.tk, n // wd.BN
-            cap = wd.DECODE_CTAS.get(fmt, wd.DECODE_CTAS_DEFAULT)
-            assert nk % p.splits == 0 and nk // p.splits >= 2 and ctas * p.splits <= cap, (n, k, fmt, p)
-            bigger = [s for s in range(p.splits + 1, nk + 1)
-                      if nk % s == 0 and nk // s >= 2 and ctas * s <= cap]
-            assert not bigger, (n, k, fmt, p, bigger)
-        assert wd.plan(1, n, k, "mxfp8").splits > wd.plan(1, n, k, "bf16").splits
+        for m in (1, 16, 64):
+            for fmt in ("mxfp8", "nvfp4", "bf16", "fp8_block"):
+                p = wd.plan(m, n, k, fmt)
+                nk, ctas = k // p.tk, n // wd.BN
+                cap = wd.decode_cta_cap(fmt, p.bm)
+                assert nk % p.splits == 0 and nk // p.splits >= 2 and ctas * p.splits <= cap, (n, k, fmt, p)
+                bigger = [s for s in range(p.splits + 1, nk + 1)
+                          if nk % s == 0 and nk // s >= 2 and ctas * s <= cap]
+                assert not bigger, (n, k, fmt, p, bigger)
+        for fmt in wd.REGISTER_DEQUANT:
+            assert wd.plan(1, n, k, fmt).splits > wd.plan(1, n, k, "bf16").splits
+            assert wd.plan(64, n, k, fmt).splits <= wd.plan(16, n, k, fmt).splits
+    assert wd.decode_cta_cap("mxfp8", 16) == 4 * wd.decode_cta_cap("mxfp8", 64) == 4 * wd.decode_cta_cap("bf16", 8)
     assert wd.plan(1, 12288, 4096, "nvfp4", max_ctas=3 * wd.NUM_SMS).splits == 2
 
 
