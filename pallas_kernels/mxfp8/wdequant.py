@@ -242,8 +242,9 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
             scales of mxfp8 / nvfp4 are transposed from the checkpoint's [N, K/b]: a step's scales
             for 64 rows are then one [tk/b, 64] TMA tile of 64-byte rows (in the checkpoint layout
             its rows would be 2-8 bytes, below TMA's 16-byte minimum)
-    returns [Mp, N] out_dtype (splits == 1) or [splits, Mp, N] f32 partials, Mp = M rounded up
-    to the token tile (the rows past M hold products of zeros)
+    returns [Mo, N] out_dtype (splits == 1) or [splits, Mo, N] f32 partials: Mo = M when x is
+    one partial token tile (TMA drops the tile's stores past M), else M rounded up to the token
+    tile (the rows past M hold products of zeros)
 
     Grouped form (MoE experts), ``tile_expert`` int32 [Mp / bm]: row tile t of x is multiplied
     by expert ``tile_expert[t]`` (< 0: the tile is skipped and its output rows are left
@@ -422,7 +423,8 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
         else:
             tile()
 
-    out_shape = (splits, mp, n) if splits > 1 else (mp, n)
+    out_rows = rows if rows < bm else mp           # batch-1 decode: no partials of padding rows (part 11)
+    out_shape = (splits, out_rows, n) if splits > 1 else (out_rows, n)
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, part_dtype),
