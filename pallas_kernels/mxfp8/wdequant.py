@@ -144,11 +144,13 @@ SCALE_BLOCK = {"mxfp8": 32, "nvfp4": 16}
 
 def smem_bytes(fmt: str, bm: int, tk: int, stages: int, out_bytes: int = 4) -> int:
     """Shared memory of one CTA as compiled for the GPU: pipelined weight, activation and scale
-    tiles, output (the dequantizing formats feed wgmma from registers, bf16 from its TMA tile)."""
+    tiles, the double-buffered dequantized tile (block FP8 at prefill tiles only: the other
+    dequantizing tiles feed wgmma from registers, bf16 from its TMA tile), output."""
     w_step = BN * {"nvfp4": tk // 2, "bf16": 2 * tk}.get(fmt, tk)
     x_step = bm * tk * (1 if fmt == "fp8_w8a8" else 2)
     s_step = BN * tk // SCALE_BLOCK[fmt] if fmt in SCALE_BLOCK else 0
-    return stages * (w_step + x_step + s_step) + bm * BN * out_bytes
+    wdq = 2 * BN * tk * 2 if fmt == "fp8_block" and bm > 64 else 0
+    return stages * (w_step + x_step + s_step) + wdq + bm * BN * out_bytes
 
 
 def plan(m: int, n: int, k: int, fmt: str, *, tk: int | None = None, splits: int | None = None,
@@ -267,7 +269,8 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
     bf16 = jnp.bfloat16
     staged = fmt in SCALE_BLOCK                  # per-block scales come through the pipeline
     dequantizing = fmt != "bf16"
-    # dequantized tiles feed wgmma from registers, except block FP8 at prefill tiles (see the docstring)
+    # dequantized tiles feed wgmma from registers, except block FP8 at prefill tiles (faster through
+    # SMEM there: RESULTS.md 2026-11-30 part 11; ``smem_bytes`` counts that buffer)
     register_a = dequantizing and not interpret and not (fmt == "fp8_block" and bm > 64)
     dequantized_smem = dequantizing and not register_a
     want = scale_shapes(fmt, n, k, w.shape[0] // n if grouped else None)
