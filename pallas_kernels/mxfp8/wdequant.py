@@ -40,6 +40,10 @@ Dequantization per format (``fmt``):
   column groups, each covering four 16-element scale blocks; a per-column select picks each
   element's block scale.
 
+* ``bf16``: plain weights, nothing to dequantize: the TMA'd weight tile is wgmma's A operand
+  (``pallas_kernels.dense_matmul``, which unquantized linears use at decode by default on a GPU:
+  ``dense_decode_backend``).
+
 The MXFP8 / NVFP4 weight tile is stored in shared memory with the widest swizzle its rows allow
 (128 bytes from a 128-byte K step) and read into registers 128 bytes of each row at a time; the
 32-column groups are register slices of that. The swizzle is also the width of the TMA boxes that
@@ -48,10 +52,6 @@ group) every TMA request covered 32 bytes of each of 64 rows, and the MXFP8 kern
 weights ~1.4x slower (one H200, M = 1, same process: 12288x4096 27.4 -> 19.7 µs, 4096x12288
 25.0 -> 20.4 µs; M = 16 26.1 -> 22.0 µs; results identical; NVFP4, bound by its longer
 dequantization, 26.0 -> 25.5 µs).
-
-* ``bf16``: plain weights, nothing to dequantize: the TMA'd weight tile is wgmma's A operand
-  (``pallas_kernels.dense_matmul``, which unquantized linears use at decode by default on a GPU:
-  ``dense_decode_backend``).
 
 Constraints (the per-format wrappers pad what does not fit with ``pad_rows`` / ``pad_cols``):
 N a multiple of 64, K a multiple of ``tk``, M at most ``TMA_ROWS`` or a multiple of it. Up to
