@@ -29,7 +29,8 @@ Dequantization per format (``fmt``):
   E8M0 0 (2^-127) maps to 0 (ModelOpt writes it for all-zero blocks, whose values are 0
   anyway) and 255 (NaN) to inf.
 * ``fp8_block``: one fp32 scale per 128-column group of the tile (64 x min(128, tk), inside one
-  128x128 block; read from HBM as a scalar per group and step): ``bf16(f32(e4m3) * scale)``,
+  128x128 block; scalars read from HBM, before the pipeline starts when a CTA has few K steps):
+  ``bf16(f32(e4m3) * scale)``,
   rounded once, exactly as the jnp reference does.
 * ``nvfp4``: bytes hold E2M1 codes, element 2i in the low nibble. A code's 3 magnitude bits
   placed at f16 bits 9..11 give ``e2m1 * 2^-14`` exactly (E2M1's subnormal 0.5 lands on an
@@ -350,10 +351,11 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
                 raw = plgpu.layout_cast(plgpu.load(w_smem.at[:, pl.ds(cw * c, cw)], layout=UPCAST_2X), WGMMA)
                 if fmt == "nvfp4":
                     return raw.astype(jnp.int16)
-                return raw.astype(jnp.float16).astype(bf16 if fmt == "mxfp8" else jnp.float32)
+                return raw.astype(jnp.float16).astype(bf16) if fmt == "mxfp8" else _e4m3_to_f32(raw)
 
             def dequant_groups(w_smem, sc):
-                """Yields, per 32-column group j of the step, its dequantized bf16 operand(s)."""
+                """Yields, per column group j of the step (32 columns; block FP8: up to 128), its
+                dequantized bf16 operand(s)."""
                 per = cw // gw
                 for c in range(groups // per):
                     chunk = load_chunk(w_smem, c)
