@@ -76,7 +76,8 @@ def pow2_at_least(n: int) -> int:
 
 def resolve_backend(name: str, platform: str) -> str:
     """``auto`` = Pallas kernels on an NVIDIA GPU (``platform`` of the mesh's devices), the jnp
-    twins elsewhere."""
+    twins elsewhere (and on a GPU for models whose sizes the kernels do not take:
+    ``pallas_unsupported`` of the model class)."""
     if name != "auto":
         return name
     return "pallas" if platform == "gpu" else "xla"
@@ -219,6 +220,12 @@ class ModelRunner:
         check_divisible(mesh, **model_cls.divisible_sizes(model_cfg))
         platform = mesh.devices.flat[0].platform
         self.backend = resolve_backend(cfg.kernel_backend, platform)
+        unsupported = model_cls.pallas_unsupported(model_cfg) if self.backend == "pallas" else None
+        if unsupported and cfg.kernel_backend == "pallas":
+            raise ConfigError(f"kernel_backend 'pallas': {unsupported} (use auto or xla)")
+        if unsupported:
+            log.warning("running the jnp kernels (kernel_backend xla): %s", unsupported)
+            self.backend = "xla"
         on_gpu = platform == "gpu"
         self.dense_backend = cfg.dense_decode_backend
         if self.dense_backend == "auto":      # the weight-streaming kernel: 1.035x per Qwen3-8B decode step

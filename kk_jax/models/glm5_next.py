@@ -223,6 +223,12 @@ class Glm5NextForConditionalGeneration(nnx.Module):
         return ("model.visual.",) + (() if mtp else (f"model.language_model.layers.{cfg.num_hidden_layers}.",))
 
     @staticmethod
+    def pallas_unsupported(cfg: Glm5NextConfig) -> str | None:
+        """None: every GPU kernel of this model takes any size it is built with (head sizes the
+        Pallas KDA kernels do not take fall back in ``make_ops``)."""
+        return None
+
+    @staticmethod
     def make_ops(cfg: Glm5NextConfig, mesh: Mesh, backend: str, kda_backend: str = "auto") -> Glm5Ops:
         """``kda_backend`` auto follows ``backend``, except that head sizes the Pallas KDA kernels do
         not take (tiny test models) run the jnp recurrence; an explicit pallas for them is an error."""

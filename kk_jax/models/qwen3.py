@@ -102,6 +102,17 @@ class Qwen3ForCausalLM(nnx.Module):
         return ()
 
     @staticmethod
+    def pallas_unsupported(cfg: Qwen3Config) -> str | None:
+        """Why the GPU kernels cannot run this model (tiny test models), or None."""
+        from pallas_kernels.paged_attention import pallas_supports
+
+        if not pallas_supports(cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads):
+            return (f"the Pallas paged decode attention kernel takes head_dim 64, 128 or 256 and at most 64 query heads per "
+                    f"kv head; this model has head_dim {cfg.head_dim} and "
+                    f"{cfg.num_attention_heads // cfg.num_key_value_heads} query heads per kv head")
+        return None
+
+    @staticmethod
     def make_ops(cfg: Qwen3Config, mesh, backend: str, kda_backend: str | None = None) -> PagedAttention:
         """The paged-attention op (Qwen3 has no KDA layers: ``kda_backend`` is unused)."""
         return PagedAttention(mesh=mesh, backend=backend, scale=1.0 / math.sqrt(cfg.head_dim))

@@ -44,5 +44,12 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lens, *,
   raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
+def pallas_supports(head_dim: int, q_per_kv: int) -> bool:
+  """Whether the Pallas kernel takes heads of this size and grouping (page size and dtypes are
+  the server's choice and checked per call)."""
+  from .kernel import MAX_GROUP, SUPPORTED_HEAD_DIMS
+  return head_dim in SUPPORTED_HEAD_DIMS and q_per_kv <= MAX_GROUP
+
+
 __all__ = ["paged_decode_attention", "paged_decode_attention_kernel",
-           "paged_decode_attention_reference", "BACKENDS"]
+           "paged_decode_attention_reference", "pallas_supports", "BACKENDS"]

@@ -175,3 +175,13 @@ def test_gpu_memory_utilization_is_a_share_of_the_whole_gpu(monkeypatch):
     claim_device_memory(0.5)
     assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.95"
     assert abs(memory_budget(95, 0.5) - 50) < 1e-9
+
+
+def test_kernel_backend_follows_what_the_kernels_take(tiny_ckpt, llm):
+    """The tiny model's head_dim (16) is below what the Pallas attention kernels take: auto runs
+    the jnp kernels (on a GPU too), an explicit pallas is refused before loading, naming the size."""
+    from kk_jax.config import ConfigError
+
+    assert llm.engine.runner.backend == "xla"
+    with pytest.raises(ConfigError, match=r"kernel_backend 'pallas': .* head_dim 16 .* \(use auto or xla\)"):
+        LLM(tiny_ckpt, kernel_backend="pallas", **LIMITS)

@@ -30,3 +30,12 @@ def test_pallas_backend_matches_xla_backend(ckpt64):
         assert llm.engine.runner.backend == backend
         outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
     assert [t[:8] for t in outs["pallas"]] == [t[:8] for t in outs["xla"]]
+
+
+def test_tiny_default_size_runs_the_jnp_kernels(tiny_ckpt):
+    """head_dim 16 (the tiny checkpoints): auto on a GPU picks the jnp kernels and generates."""
+    llm = LLM(tiny_ckpt, dtype="bfloat16", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=128,
+              progress=False)
+    assert llm.engine.runner.backend == "xla"
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
