@@ -462,8 +462,19 @@ def matmul_padded(fmt: str, x2, w, scales, n: int, out_dtype, interpret=False, *
     step) -> [m, n] out_dtype.
     Plans the tiling, pads the rows of x to the token tile when there are more than
     ``TMA_ROWS``, splits x into its even and odd columns for NVFP4, runs
-    :func:`wdequant_matmul` and sums split-K partials."""
+    :func:`wdequant_matmul` and sums split-K partials. Prefill-shaped MXFP8 and block-FP8
+    calls on the GPU (more than 64 rows, no plan overrides) run the warp-specialized form,
+    ``prefill_ws``, where their shapes fit it."""
     m, kp = x2.shape
+    if m > 64 and not interpret and not plan_overrides:
+        from . import prefill_ws           # (imports this module)
+
+        ws = prefill_ws.config(fmt, m, w.shape[0], kp, out_dtype)
+        if ws is not None:
+            bm, tk, stages = ws
+            y = prefill_ws.prefill_matmul(pad_rows(x2, round_up(m, bm)), w, scales[0], fmt=fmt, bm=bm, tk=tk,
+                                          stages=stages, out_dtype=jnp.dtype(out_dtype))
+            return y[:m, :n]
     p = plan(m, w.shape[0], kp, fmt, **plan_overrides)
     xp = x2 if m <= TMA_ROWS else pad_rows(x2, round_up(m, p.bm))     # see the module docstring
     xs = (xp[:, 0::2], xp[:, 1::2]) if fmt == "nvfp4" else (xp,)

@@ -302,3 +302,30 @@ def test_prepare_linears_gives_unquantized_linears_the_dense_backend():
     model = nnx.eval_shape(lambda: prepare_linears(Qwen3ForCausalLM(cfg, jnp.bfloat16), None, mesh=mesh,
                                                    dense_backend="pallas"))
     assert {m.backend for _, m in nnx.iter_modules(model) if isinstance(m, (Linear, FusedLinear))} == {"pallas"}
+
+
+@pytest.mark.parametrize("method", ["fp8_block", "mxfp8"])
+def test_bf16_layer_takes_its_output_from_the_kernel(monkeypatch, method):
+    """A bf16 layer without a bias asks the kernel for its bf16 output (one rounding of the fp32
+    accumulator, as the cast of an fp32 result); with a bias it keeps the fp32 output. Such bf16
+    MXFP8 / block-FP8 calls stay on the kernel (its warp-specialized prefill form on a GPU) up to
+    4096 rows; fp32 outputs and NVFP4 go to XLA's dot from 1024."""
+    import kk_jax.models.layers.linear as linear_mod
+
+    seen = []
+    real = linear_mod._kernel_call
+    monkeypatch.setattr(linear_mod, "_kernel_call", lambda method, x2, ops, **kw: (
+        seen.append(jnp.dtype(kw["out_dtype"]).name), real(method, x2, ops, **kw))[1])
+    lin = quantized_linear(method, 64, 128, ("heads", "embed"), backend="pallas", interpret=True)
+    x = jax.random.normal(jax.random.key(2), (5, 128), jnp.float32).astype(jnp.bfloat16)
+    y = lin(x)
+    w = lin.dense_weight(jnp.bfloat16 if method == "fp8_block" else jnp.float32)
+    want = qo.matmul(np.asarray(x.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
+    assert seen == ["bfloat16"] and y.dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(y), np.asarray(jnp.asarray(want, jnp.float32).astype(jnp.bfloat16)))
+    biased = Linear(128, 64, jnp.float32, axes=("heads", "embed"), bias=True)
+    biased.quantize_(method, backend="pallas", interpret=True)
+    biased(x)
+    assert seen[-1] == "float32"
+    rows = linear_mod.kernel_max_rows
+    assert rows(method, jnp.bfloat16) == 4096 and rows(method, jnp.float32) == rows("nvfp4", jnp.bfloat16) == 1024

@@ -133,9 +133,12 @@ class Linear(nnx.Module):
         if self.quant is None and not dense_kernel_takes(self, x):
             y = jnp.einsum("...i,oi->...o", x, self.weight[...], preferred_element_type=jnp.float32)
         else:
+            # the layer's dtype straight from the kernel (no fp32 output pass) unless a bias or
+            # a psum of row-parallel partials follows
+            exact_out = self.bias is not None or _tp_shards(self.axes, self.mesh, 1) > 1
             y = linear_matmul(x, self._quant_operands(), method=self.quant, axes=self.axes, block=self.block,
                               backend=self.backend, mesh=self.mesh, act_quant=self.act_quant,
-                              interpret=self.interpret)
+                              interpret=self.interpret, out_dtype=jnp.float32 if exact_out else x.dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         return y.astype(x.dtype)
@@ -367,12 +370,25 @@ def _check_tp_layout(method, n, k, axes, mesh, block) -> None:
 
 
 # ---------------------------------------------------------------------- the matmul
-# Row count from which the weight-only (W8A16 / W4A16) layers dequantize the weight and run
-# XLA's bf16 dot instead of the Pallas dequantizing kernels: one H200 run of
-# benchmarks/bench_quant_matmul.py (4096 x 4096, 2026-11-30) timed the kernels 1.5-2.3x
-# faster than dequantize-then-dot at M <= 64, even at M = 2048 and 1.7-2.1x slower at
-# M = 8192. Prefill chunks take the faster path; decode always runs the kernels.
+# Row counts from which the weight-only (W8A16 / W4A16) layers dequantize the weight and run
+# XLA's bf16 dot instead of the Pallas dequantizing kernels; decode always runs the kernels.
+# NVFP4, and any format writing an fp32 output (a row-parallel shard's partial sum, a layer with
+# a bias): from 1024 rows (one H200, 4096 x 4096, 2026-11-30: the kernels 1.5-2.3x faster than
+# dequantize-then-dot at M <= 64, even at M = 2048 and 1.7-2.1x slower at M = 8192).
+# MXFP8 and block FP8 writing the layer's bf16 output run the warp-specialized prefill form
+# (``pallas_kernels.mxfp8.prefill_ws``) below 4096 rows: same process, 12288 x 4096, against
+# dequantize-then-dot with an fp32 output cast to bf16 (bit-identical results), M = 2048 349.8 /
+# 335.0 against 421.8 / 391.1 us, M = 4096 711.9 / 714.1 against 729.2 / 724.7, M = 8192
+# 1451.7 / 1476.2 against 1385.3 / 1382.2 (benchmarks/RESULTS.md, part 12).
 KERNEL_MAX_ROWS = 1024
+WS_KERNEL_MAX_ROWS = 4096
+
+
+def kernel_max_rows(method: str | None, out_dtype) -> int:
+    """Rows from which a quantized layer's matmul runs on XLA (see above)."""
+    if method in ("mxfp8", "fp8_block") and jnp.dtype(out_dtype).itemsize == 2:
+        return WS_KERNEL_MAX_ROWS
+    return KERNEL_MAX_ROWS
 
 
 # Rows up to which unquantized linears on the pallas dense backend use the weight-streaming
@@ -396,7 +412,7 @@ def dense_kernel_takes(linear, x: jax.Array) -> bool:
 
 
 def _kernel_call(method, x2, ops, *, block, backend, act_quant, interpret, out_dtype):
-    if backend == "pallas" and not act_quant and x2.shape[0] >= KERNEL_MAX_ROWS:
+    if backend == "pallas" and not act_quant and x2.shape[0] >= kernel_max_rows(method, out_dtype):
         backend = "xla"
     if method is None:
         from pallas_kernels import dense_matmul
@@ -413,15 +429,16 @@ def _kernel_call(method, x2, ops, *, block, backend, act_quant, interpret, out_d
 
 
 def linear_matmul(x, ops: tuple, *, method: str | None, axes, block=(128, 128), backend="xla", mesh=None,
-                  act_quant=False, interpret=False):
-    """x [..., K] @ dequant(ops)^T -> [..., N] fp32 for a linear's :data:`OPERANDS` (``method``
-    None: the unquantized weight, for the dense kernel). With backend="pallas" on a tp mesh the kernel
-    runs per shard inside ``jax.shard_map``: column-parallel weights give N-sharded outputs,
-    row-parallel ones fp32 partial sums reduced with ``psum``."""
+                  act_quant=False, interpret=False, out_dtype=jnp.float32):
+    """x [..., K] @ dequant(ops)^T -> [..., N] out_dtype for a linear's :data:`OPERANDS` (``method``
+    None: the unquantized weight, for the dense kernel); fp32 accumulation, one rounding to
+    ``out_dtype``. With backend="pallas" on a tp mesh the kernel runs per shard inside
+    ``jax.shard_map``: column-parallel weights give N-sharded outputs, row-parallel ones partial
+    sums reduced with ``psum`` (pass an fp32 ``out_dtype`` for those)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     call = lambda xx, *oo: _kernel_call(method, xx, oo, block=block, backend=backend, act_quant=act_quant,
-                                        interpret=interpret, out_dtype=jnp.float32)
+                                        interpret=interpret, out_dtype=out_dtype)
     if backend != "pallas" or mesh is None or mesh.size == 1:
         y = call(x2, *ops)
         return y.reshape(*lead, y.shape[-1])

@@ -1,0 +1,132 @@
+"""Warp-specialized prefill form of the dequantizing engine (``wdequant``) for MXFP8 and block
+FP8 weights (W8A16): one CTA computes a 128-weight-row x ``bm``-token output tile with three
+warpgroups, one issuing TMA loads of the weight, activation and scale tiles through a
+``stages``-deep ring, two dequantizing their 64 weight rows each (the math of ``wdequant``'s
+register-operand path: e4m3 -> f16 -> bf16 times the E8M0 or the block's fp32 scale) and feeding
+them to ``wgmma`` from registers against the shared activation tile. While one compute warpgroup
+converts, the other's ``wgmma`` occupies the tensor cores, which the one-warpgroup engine (64
+weight rows per CTA, conversion and ``wgmma`` in turn) cannot overlap.
+
+One H200, same process (RESULTS.md, 2026-11-30 part 12; results equal to XLA's
+dequantize-then-dot bit for bit): at M = 2048 MXFP8 4096x4096 107.6 us against 171.2 us for the
+one-warpgroup engine (1.14x XLA's bf16 dot), 12288x4096 332 against 515 us; block FP8 107.7 /
+326.0 against 155.3 / 466.5 us. At M = 8192 it reaches 560-590 TFLOP/s, behind XLA's
+dequantize-then-dot (0.79-0.85x against 0.88-0.92x XLA bf16), so the linear layers hand such
+chunks to XLA (``linear.kernel_max_rows``).
+
+GPU only: Mosaic GPU's interpreter models neither warp-specialized pipelines nor register
+operands, so interpret mode keeps ``wdequant``'s one-warpgroup form (same numerics).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from . import wdequant as wd
+
+RB = 128                     # weight rows per CTA: two compute warpgroups x 64
+FORMATS = ("mxfp8", "fp8_block")
+SMEM_LIMIT = 227 * 1024      # H200 shared memory per CTA
+# (tk, stages) in order of preference per format (the first that fits SMEM_LIMIT with the output
+# tile): one H200 at M = 2048 / 8192, bm = 256: MXFP8 best at tk 64 with 3-4 stages, block FP8
+# (one scale per 128 columns) at tk 128 with 2 stages (RESULTS.md part 12).
+STEPS = {"mxfp8": ((64, 4), (64, 3), (64, 2)), "fp8_block": ((128, 2), (64, 4), (64, 3), (64, 2))}
+
+
+def smem_bytes(fmt: str, bm: int, tk: int, stages: int, out_bytes: int) -> int:
+    """Shared memory of one CTA: the pipelined weight, activation (and MXFP8 scale) tiles and the
+    two warpgroups' output tiles."""
+    scales = 2 * 64 * tk // 32 if fmt == "mxfp8" else 0
+    return stages * (RB * tk + bm * tk * 2 + scales) + 2 * bm * 64 * out_bytes
+
+
+def config(fmt: str, m: int, n: int, k: int, out_dtype) -> tuple[int, int, int] | None:
+    """(bm, tk, stages) for an [m, k] x [n, k]^T product (n, k padded like ``wdequant``'s
+    operands), or None when the shapes do not fit this form (N not a multiple of 128, K of no
+    K step, an output tile too large)."""
+    if fmt not in FORMATS or n % RB:
+        return None
+    bm = 128 if m <= 128 else 256
+    out_bytes = jnp.dtype(out_dtype).itemsize
+    for tk, stages in STEPS[fmt]:
+        if k % tk == 0 and smem_bytes(fmt, bm, tk, stages, out_bytes) <= SMEM_LIMIT:
+            return bm, tk, stages
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "bm", "tk", "stages", "out_dtype"))
+def prefill_matmul(x, w, scale, *, fmt: str, bm: int, tk: int, stages: int, out_dtype):
+    """x [M, K] bf16 (M a multiple of bm), w [N, K] e4m3 (N a multiple of 128), scale: mxfp8
+    [K/32, N] uint8 (transposed E8M0), fp8_block [N/128, K/128] fp32 -> [M, N] out_dtype."""
+    m, k = x.shape
+    n = w.shape[0]
+    bf16 = jnp.bfloat16
+    w_tr = wd.smem_tile(jnp.float8_e4m3fn, tk)
+    cw = min(128, tk)                        # stored columns per register load = the swizzle
+    if fmt == "mxfp8":
+        scale = scale.reshape(k // 32, n // 64, 64)    # a CTA's two 64-row scale vectors per block
+        x_tr = wd.smem_tile(bf16, tk, swizzle=64)      # wgmma reads it in 32-column groups
+        gw = 32
+    else:
+        x_tr = wd.smem_tile(bf16, tk)
+        gw = cw                              # one 128x128 block's scale per chunk
+
+    def kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem):
+        nb, mb = lax.axis_index("n"), lax.axis_index("m")
+
+        def compute_context(eval_pipeline):
+            wg = lax.axis_index("wg")
+
+            @functools.partial(pl.run_scoped, acc=plgpu.ACC((64, bm), jnp.float32))
+            def _(acc):
+                eval_pipeline(acc)
+                dst = o_smem.at[wg]
+                dst.T[...] = plgpu.layout_cast(acc[...].astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(dst, o_gmem.at[pl.ds(mb * bm, bm), pl.ds(nb * RB + wg * 64, 64)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        def body(idx, w_smem, x_smem, *rest):
+            (kk,) = idx
+            acc = rest[-1]
+            wg = lax.axis_index("wg")
+            rows = w_smem.at[pl.ds(wg * 64, 64)]
+            if fmt == "mxfp8":
+                sc = [wd._e8m0_to_bf16(plgpu.load(rest[0].at[i, wg], layout=wd.ROW)) for i in range(tk // 32)]
+            else:                            # this CTA's 128 rows are one block row
+                sc = [s_gmem[nb, (kk * tk + gw * j) // 128] for j in range(tk // gw)]
+            for c in range(tk // cw):
+                raw = plgpu.layout_cast(plgpu.load(rows.at[:, pl.ds(cw * c, cw)], layout=wd.UPCAST_2X), wd.WGMMA)
+                if fmt == "fp8_block":
+                    plgpu.wgmma(acc, (wd._e4m3_to_f32(raw) * sc[c]).astype(bf16), x_smem.at[:, pl.ds(cw * c, cw)].T)
+                    continue
+                chunk = raw.astype(jnp.float16).astype(bf16)
+                for jj in range(cw // 32):
+                    j = c * (cw // 32) + jj
+                    v = chunk[:, 32 * jj:32 * (jj + 1)] * lax.broadcast_in_dim(sc[j], (64, 32), [0])
+                    plgpu.wgmma(acc, v, x_smem.at[:, pl.ds(32 * j, 32)].T)
+            plgpu.wgmma_wait(0)
+            return acc
+
+        in_specs = [plgpu.BlockSpec((RB, tk), lambda kk: (nb, kk), transforms=w_tr),
+                    plgpu.BlockSpec((bm, tk), lambda kk: (mb, kk), transforms=x_tr)]
+        srcs = [w_gmem, x_gmem]
+        if fmt == "mxfp8":
+            in_specs.append(plgpu.BlockSpec((tk // 32, 2, 64), lambda kk: (kk, nb, 0)))
+            srcs.append(s_gmem)
+        plgpu.emit_pipeline_warp_specialized(
+            body, grid=(k // tk,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            max_concurrent_steps=stages, compute_context=compute_context, in_specs=in_specs)(*srcs)
+
+    call = plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        scratch_types=(plgpu.SMEM((2, bm, 64), out_dtype, transforms=wd.smem_tile(jnp.dtype(out_dtype), 64)),),
+        grid=(n // RB, m // bm), grid_names=("n", "m"), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True))
+    return call(x, w, scale)
