@@ -142,3 +142,21 @@ def test_compiled_prefill_bf16_output():
     x, wq, ws = make(1100, 384, 640, seed=12)
     y = matmul(x, wq, ws, backend="pallas", out_dtype=jnp.bfloat16)
     assert orc.rel_err(y.astype(jnp.float32), oracle(x, wq, ws)) < 1e-2
+
+
+def test_prefill_ws_tiles_fit_shared_memory():
+    """The warp-specialized prefill form: 128-row weight blocks only, a K step that divides K, and
+    a pipeline as deep as the output tile leaves room for (fp32 outputs take twice the bytes)."""
+    from pallas_kernels.mxfp8 import prefill_ws as ws
+
+    assert ws.config("mxfp8", 2048, 12288, 4096, jnp.bfloat16) == (256, 64, 4)
+    assert ws.config("mxfp8", 2048, 12288, 4096, jnp.float32) == (256, 64, 2)
+    assert ws.config("fp8_block", 2048, 12288, 4096, jnp.bfloat16) == (256, 128, 2)
+    assert ws.config("fp8_block", 100, 512, 1024, jnp.float32) == (128, 128, 2)
+    assert ws.config("fp8_block", 2048, 512, 4032, jnp.bfloat16) == (256, 64, 4)     # K not a multiple of 128
+    assert ws.config("mxfp8", 2048, 4032, 4096, jnp.bfloat16) is None               # N not a multiple of 128
+    assert ws.config("nvfp4", 2048, 12288, 4096, jnp.bfloat16) is None
+    for fmt in ws.FORMATS:
+        for out in (jnp.bfloat16, jnp.float32):
+            bm, tk, stages = ws.config(fmt, 4096, 4096, 4096, out)
+            assert ws.smem_bytes(fmt, bm, tk, stages, jnp.dtype(out).itemsize) <= ws.SMEM_LIMIT
