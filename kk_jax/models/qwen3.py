@@ -105,11 +105,12 @@ class Qwen3ForCausalLM(nnx.Module):
     def pallas_unsupported(cfg: Qwen3Config) -> str | None:
         """Why the GPU kernels cannot run this model (tiny test models), or None."""
         from pallas_kernels.paged_attention import pallas_supports
+        from pallas_kernels.paged_attention.kernel import MAX_GROUP, SUPPORTED_HEAD_DIMS
 
-        if not pallas_supports(cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads):
-            return (f"the Pallas paged decode attention kernel takes head_dim 64, 128 or 256 and at most 64 query heads per "
-                    f"kv head; this model has head_dim {cfg.head_dim} and "
-                    f"{cfg.num_attention_heads // cfg.num_key_value_heads} query heads per kv head")
+        group = cfg.num_attention_heads // cfg.num_key_value_heads
+        if not pallas_supports(cfg.head_dim, group):
+            return (f"the Pallas paged decode attention kernel takes head_dim in {SUPPORTED_HEAD_DIMS} and at most "
+                    f"{MAX_GROUP} query heads per kv head; this model has head_dim {cfg.head_dim} and {group}")
         return None
 
     @staticmethod
