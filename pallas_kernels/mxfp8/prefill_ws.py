@@ -102,11 +102,10 @@ def prefill_matmul(x, w, scale, *, fmt: str, bm: int, tk: int, stages: int, out_
             else:                            # this CTA's 128 rows are one block row
                 sc = [s_gmem[nb, (kk * tk + gw * j) // 128] for j in range(tk // gw)]
             for c in range(tk // cw):
-                raw = plgpu.layout_cast(plgpu.load(rows.at[:, pl.ds(cw * c, cw)], layout=wd.UPCAST_2X), wd.WGMMA)
+                chunk = wd.load_chunk(fmt, rows, cw, c)
                 if fmt == "fp8_block":
-                    plgpu.wgmma(acc, (wd._e4m3_to_f32(raw) * sc[c]).astype(bf16), x_smem.at[:, pl.ds(cw * c, cw)].T)
+                    plgpu.wgmma(acc, (chunk * sc[c]).astype(bf16), x_smem.at[:, pl.ds(cw * c, cw)].T)
                     continue
-                chunk = raw.astype(jnp.float16).astype(bf16)
                 for jj in range(cw // 32):
                     j = c * (cw // 32) + jj
                     v = chunk[:, 32 * jj:32 * (jj + 1)] * lax.broadcast_in_dim(sc[j], (64, 32), [0])

@@ -224,6 +224,16 @@ def _e2m1_times_2m14(codes_i16):
     return lax.bitcast_convert_type(lax.bitwise_or(bits, sign), jnp.float16)
 
 
+def load_chunk(fmt: str, w_smem, cw: int, c: int):
+    """Register load of stored columns [cw*c, cw*(c+1)) of a [64, tk] weight tile (cw = its
+    swizzle in bytes), in the wgmma layout and converted: f16-exact bf16 (mxfp8), f32
+    (fp8_block) or int16 bytes (nvfp4)."""
+    raw = plgpu.layout_cast(plgpu.load(w_smem.at[:, pl.ds(cw * c, cw)], layout=UPCAST_2X), WGMMA)
+    if fmt == "nvfp4":
+        return raw.astype(jnp.int16)
+    return raw.astype(jnp.float16).astype(jnp.bfloat16) if fmt == "mxfp8" else _e4m3_to_f32(raw)
+
+
 def scale_shapes(fmt: str, n: int, k: int, experts: int | None = None) -> list[tuple]:
     """Shapes of ``wdequant_matmul``'s scale operands for padded [N, K] weights (grouped form:
     ``experts`` matrices stacked); an unknown format gets none (the kernel rejects it)."""
@@ -348,20 +358,12 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
 
             cw = min(128, w_block[1])                # stored columns (bytes) per register load = the swizzle
 
-            def load_chunk(w_smem, c):
-                """Columns [cw*c, cw*(c+1)) of the stored tile, converted: f16-exact bf16 (mxfp8), f32
-                (fp8_block) or int16 bytes (nvfp4)."""
-                raw = plgpu.layout_cast(plgpu.load(w_smem.at[:, pl.ds(cw * c, cw)], layout=UPCAST_2X), WGMMA)
-                if fmt == "nvfp4":
-                    return raw.astype(jnp.int16)
-                return raw.astype(jnp.float16).astype(bf16) if fmt == "mxfp8" else _e4m3_to_f32(raw)
-
             def dequant_groups(w_smem, sc):
                 """Yields, per column group j of the step (32 columns; block FP8: up to 128), its
                 dequantized bf16 operand(s)."""
                 per = cw // gw
                 for c in range(groups // per):
-                    chunk = load_chunk(w_smem, c)
+                    chunk = load_chunk(fmt, w_smem, cw, c)
                     for jj in range(per):
                         v = chunk if per == 1 else chunk[:, gw * jj:gw * (jj + 1)]
                         yield dequant_group(v, sc, c * per + jj)

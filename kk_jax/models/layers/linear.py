@@ -386,7 +386,7 @@ WS_KERNEL_MAX_ROWS = 4096
 
 def kernel_max_rows(method: str | None, out_dtype) -> int:
     """Rows from which a quantized layer's matmul runs on XLA (see above)."""
-    if method in ("mxfp8", "fp8_block") and jnp.dtype(out_dtype).itemsize == 2:
+    if method in ("mxfp8", "fp8_block") and jnp.dtype(out_dtype) == jnp.bfloat16:
         return WS_KERNEL_MAX_ROWS
     return KERNEL_MAX_ROWS
 
