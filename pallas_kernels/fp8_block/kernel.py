@@ -8,6 +8,8 @@
   ``acc += chunk * sx[token] * sw[block]``, on the CUDA cores. Promoting every 128 K is also
   what keeps Hopper's reduced-precision fp8 accumulation from drifting. Swapped like the
   W8A16 engine (accumulator ``[64 weight rows, bm tokens]``); decode-shaped calls split K.
+  Prefill-shaped calls on the GPU use the warp-specialized form of the same scheme
+  (``w8a8_ws.py``, ~2.8x faster).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import common
 from pallas_kernels.mxfp8 import wdequant as wd
 
+from . import w8a8_ws
 from .reference import DEFAULT_BLOCK, quantize_activations, validate
 
 COL = plgpu.Layout.WGMMA.reduce(0)
@@ -56,13 +59,20 @@ def matmul_kernel(x, w_q, w_scale_inv, *, block=DEFAULT_BLOCK, act_quant=False, 
 
 
 def _w8a8(x2, w_q, w_scale_inv, np_, out_dtype, interpret, **plan_overrides):
+    """Prefill-shaped calls (more than 64 tokens) on the GPU without plan overrides take the
+    warp-specialized form (``w8a8_ws``); the rest this module's kernel (same numerics)."""
     m, k = x2.shape
     n = w_q.shape[0]
     kp = wd.round_up(k, 128)
     if plan_overrides.get("tk", 128) != 128:
         raise ValueError(f"the W8A8 kernel steps through K in 128-wide groups, got tk={plan_overrides['tk']}")
-    p = wd.plan(m, np_, kp, "fp8_w8a8", **{k_: v for k_, v in plan_overrides.items() if k_ != "tk"})
     xq, sx = quantize_activations(x2)                                    # [M, K] e4m3, [M, Kb]
+    if m > 64 and not interpret and not plan_overrides:
+        mp, np128 = wd.round_up(m, w8a8_ws.BM), wd.round_up(n, w8a8_ws.RB)
+        y = w8a8_ws.prefill_matmul(wd.pad_cols(wd.pad_rows(xq, mp), kp), wd.pad_cols(sx.T, mp),
+                                   wd.pad_cols(wd.pad_rows(w_q, np128), kp), w_scale_inv, out_dtype=out_dtype)
+        return y[:m, :n]
+    p = wd.plan(m, np_, kp, "fp8_w8a8", **{k_: v for k_, v in plan_overrides.items() if k_ != "tk"})
     mp = wd.round_up(m, p.bm)
     xq = wd.pad_cols(wd.pad_rows(xq, mp), kp)
     sxt = wd.pad_cols(sx.T, mp)                                          # [Kb, Mp] token-minor
