@@ -57,33 +57,38 @@ def step_bytes(cfg: Qwen3Config, runner: ModelRunner, batch: int, context: int) 
     return w + kv
 
 
-def linear_params(cfg: Qwen3Config) -> int:
-    """Weights of the matmuls a token passes through (every layer's projections and the lm_head)."""
+def prefill_flops(cfg: Qwen3Config, tokens: int) -> int:
+    """Matmul FLOPs of one prompt: every token through every layer's projections, the lm_head
+    for the last token only (attention's own products not counted)."""
     h, hd = cfg.hidden_size, cfg.head_dim
     attn = h * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
-    return cfg.num_hidden_layers * (attn + 3 * h * cfg.intermediate_size) + h * cfg.vocab_size
+    return 2 * (tokens * cfg.num_hidden_layers * (attn + 3 * h * cfg.intermediate_size) + h * cfg.vocab_size)
 
 
 def bench(cfg, backend, batches, context, steps, iters, page_size, tp, trace_dir=None, dense="auto", quant="bf16",
           fp8_activations=False, prefill_tokens=0):
     max_b = max(batches)
     max_len = max(context, prefill_tokens) + steps * (iters + 2) + page_size
-    pages_per_seq = math.ceil(max_len / page_size)
+    pages_per_seq = math.ceil((context + steps * (iters + 2) + page_size) / page_size)     # decode rows
+    prefill_pages = math.ceil(prefill_tokens / page_size)                                 # after theirs
     ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_b, max_num_batched_tokens=max(page_size, prefill_tokens),
-                        page_size=page_size, num_pages=max_b * pages_per_seq + 1, tp=tp, decode_steps=steps,
-                        kernel_backend=backend, dense_decode_backend=dense, fp8_activations=fp8_activations)
-    model_dir = None
-    if quant != "bf16":
-        from weightless import quantized_dir
-        model_dir = quantized_dir(Path(tempfile.mkdtemp()), quant, exclude=("lm_head",))
-    runner = ModelRunner(Qwen3ForCausalLM, cfg, model_dir, jnp.bfloat16, ecfg, make_mesh(tp), progress=False,
-                         random_weights_seed=0)
+                        page_size=page_size, num_pages=max_b * pages_per_seq + prefill_pages + 1, tp=tp,
+                        decode_steps=steps, kernel_backend=backend, dense_decode_backend=dense,
+                        fp8_activations=fp8_activations)
+    with tempfile.TemporaryDirectory() as tmp:      # the quantization config is read at construction
+        model_dir = None
+        if quant != "bf16":
+            from weightless import quantized_dir
+            model_dir = quantized_dir(Path(tmp), quant, exclude=("lm_head",))
+        runner = ModelRunner(Qwen3ForCausalLM, cfg, model_dir, jnp.bfloat16, ecfg, make_mesh(tp), progress=False,
+                             random_weights_seed=0)
     greedy = SamplingParams(max_tokens=steps, temperature=0.0)
     label = quant + ("-w8a8" if fp8_activations else "")
     rows_out = []
     if prefill_tokens:
         prompt = [(7 * i) % cfg.vocab_size for i in range(prefill_tokens)]
-        chunk = [PrefillRow(prompt, 0, list(range(1, 1 + pages_per_seq)), 0, greedy, 0, 0)]
+        first = 1 + max_b * pages_per_seq
+        chunk = [PrefillRow(prompt, 0, list(range(first, first + prefill_pages)), 0, greedy, 0, 0)]
         t0 = time.perf_counter()
         runner.prefill(chunk)                                  # compile + first run
         compile_s = time.perf_counter() - t0
@@ -91,9 +96,9 @@ def bench(cfg, backend, batches, context, steps, iters, page_size, tp, trace_dir
         for _ in range(iters):
             runner.prefill(chunk)
         wall = (time.perf_counter() - t0) / iters
-        flops = 2 * prefill_tokens * linear_params(cfg)
+        flops = prefill_flops(cfg, prefill_tokens)
         rows_out.append(dict(kind="prefill", backend=runner.backend, quant=label, tokens=prefill_tokens,
-                             ms=wall * 1e3, tok_per_s=prefill_tokens / wall, linear_tflops=flops / wall / 1e12,
+                             ms=wall * 1e3, tok_per_s=prefill_tokens / wall, matmul_tflops=flops / wall / 1e12,
                              compile_s=compile_s))
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows_out[-1].items()}), flush=True)
     for b in batches:
@@ -152,6 +157,8 @@ def main():
     ap.add_argument("--prefill-tokens", type=int, default=0, help="also time one prompt of this many tokens")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.fp8_activations and args.quant != "fp8_block":
+        ap.error("--fp8-activations needs --quant fp8_block")
     cfg = TINY if args.tiny else QWEN3_8B
     if args.layers:
         cfg = Qwen3Config(**{**cfg.__dict__, "num_hidden_layers": args.layers})

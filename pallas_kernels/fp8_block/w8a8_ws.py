@@ -30,7 +30,7 @@ from pallas_kernels.mxfp8 import wdequant as wd
 
 RB = 128                     # weight rows per CTA (one block row): two math warpgroups x 64
 BM = 128                     # tokens per CTA; 64 and 192 measured slower (RESULTS.md part 13)
-STAGES = 4                   # 3-5 within 3 % of each other
+STAGES = 4                   # 3-5 within ~5 % of each other
 COL = plgpu.Layout.WGMMA.reduce(0)
 
 
