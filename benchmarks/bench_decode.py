@@ -7,9 +7,13 @@ roofline time (bytes of weights + KV read per step / 4.2 TB/s) and its ratio, an
 (packing/unpacking arrays) as a share of the step. Both attention backends (Pallas kernel and
 the jnp twin) run in the same process for a side-by-side number, and with
 ``--dense-decode-backends pallas xla`` the unquantized linears' batch-1 decode matmuls on the
-Pallas weight-streaming kernel and on XLA's GEMV.
+Pallas weight-streaming kernel and on XLA's GEMV. ``--quant fp8_block|mxfp8|nvfp4`` holds every
+linear layer but the lm_head quantized (random codes and scales, as a quantized checkpoint would
+load; ``--fp8-activations``: block FP8 as W8A8), and ``--prefill-tokens N`` also times the prefill
+of one N-token prompt in one chunk.
 
     python benchmarks/bench_decode.py --batch 1 8 64 --context 1024 --json out.json
+    python benchmarks/bench_decode.py --quant mxfp8 --batch 1 --prefill-tokens 2048
     python benchmarks/bench_decode.py --tiny          # CPU smoke run with a tiny shape
 """
 
@@ -18,14 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from kk_jax.config import EngineConfig, Qwen3Config
 from kk_jax.engine.request import SamplingParams
-from kk_jax.engine.runner import DecodeRow, ModelRunner
+from kk_jax.engine.runner import DecodeRow, ModelRunner, PrefillRow
 from kk_jax.models.qwen3 import Qwen3ForCausalLM
 from kk_jax.parallel.mesh import make_mesh
 
@@ -51,17 +57,50 @@ def step_bytes(cfg: Qwen3Config, runner: ModelRunner, batch: int, context: int) 
     return w + kv
 
 
-def bench(cfg, backend, batches, context, steps, iters, page_size, tp, trace_dir=None, dense="auto"):
+def prefill_flops(cfg: Qwen3Config, tokens: int) -> int:
+    """Matmul FLOPs of one prompt: every token through every layer's projections, the lm_head
+    for the last token only (attention's own products not counted)."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    attn = h * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    return 2 * (tokens * cfg.num_hidden_layers * (attn + 3 * h * cfg.intermediate_size) + h * cfg.vocab_size)
+
+
+def bench(cfg, backend, batches, context, steps, iters, page_size, tp, trace_dir=None, dense="auto", quant="bf16",
+          fp8_activations=False, prefill_tokens=0):
     max_b = max(batches)
-    max_len = context + steps * (iters + 2) + page_size
-    pages_per_seq = math.ceil(max_len / page_size)
-    ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_b, max_num_batched_tokens=page_size,
-                        page_size=page_size, num_pages=max_b * pages_per_seq + 1, tp=tp, decode_steps=steps,
-                        kernel_backend=backend, dense_decode_backend=dense)
-    runner = ModelRunner(Qwen3ForCausalLM, cfg, None, jnp.bfloat16, ecfg, make_mesh(tp), progress=False,
-                         random_weights_seed=0)
+    max_len = max(context, prefill_tokens) + steps * (iters + 2) + page_size
+    pages_per_seq = math.ceil((context + steps * (iters + 2) + page_size) / page_size)     # decode rows
+    prefill_pages = math.ceil(prefill_tokens / page_size)                                 # after theirs
+    ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_b, max_num_batched_tokens=max(page_size, prefill_tokens),
+                        page_size=page_size, num_pages=max_b * pages_per_seq + prefill_pages + 1, tp=tp,
+                        decode_steps=steps, kernel_backend=backend, dense_decode_backend=dense,
+                        fp8_activations=fp8_activations)
+    with tempfile.TemporaryDirectory() as tmp:      # the quantization config is read at construction
+        model_dir = None
+        if quant != "bf16":
+            from weightless import quantized_dir
+            model_dir = quantized_dir(Path(tmp), quant, exclude=("lm_head",))
+        runner = ModelRunner(Qwen3ForCausalLM, cfg, model_dir, jnp.bfloat16, ecfg, make_mesh(tp), progress=False,
+                             random_weights_seed=0)
     greedy = SamplingParams(max_tokens=steps, temperature=0.0)
+    label = quant + ("-w8a8" if fp8_activations else "")
     rows_out = []
+    if prefill_tokens:
+        prompt = [(7 * i) % cfg.vocab_size for i in range(prefill_tokens)]
+        first = 1 + max_b * pages_per_seq
+        chunk = [PrefillRow(prompt, 0, list(range(first, first + prefill_pages)), 0, greedy, 0, 0)]
+        t0 = time.perf_counter()
+        runner.prefill(chunk)                                  # compile + first run
+        compile_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            runner.prefill(chunk)
+        wall = (time.perf_counter() - t0) / iters
+        flops = prefill_flops(cfg, prefill_tokens)
+        rows_out.append(dict(kind="prefill", backend=runner.backend, quant=label, tokens=prefill_tokens,
+                             ms=wall * 1e3, tok_per_s=prefill_tokens / wall, matmul_tflops=flops / wall / 1e12,
+                             compile_s=compile_s))
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows_out[-1].items()}), flush=True)
     for b in batches:
         rows = [DecodeRow(token=1, position=context, pages=list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)),
                           slot=0, budget=steps, stop_ids=[], params=greedy, seed=0, token_index=0) for i in range(b)]
@@ -79,20 +118,21 @@ def bench(cfg, backend, batches, context, steps, iters, page_size, tp, trace_dir
             with jax.profiler.trace(trace_dir):
                 runner.decode(rows)
         roof = step_bytes(cfg, runner, b, context) / HBM_BYTES_PER_S
-        rows_out.append(dict(backend=runner.backend, dense=runner.dense_backend, batch=b, context=context, step_ms=wall * 1e3,
+        rows_out.append(dict(backend=runner.backend, dense=runner.dense_backend, quant=label, batch=b, context=context,
+                             step_ms=wall * 1e3,
                              tok_per_s=b / wall, roofline_ms=roof * 1e3, roofline_frac=roof / wall,
                              host_frac=host / wall, compile_s=compile_s))
         print_row(rows_out[-1])
     return rows_out
 
 
-HEADER = (f"{'backend':8} {'dense':6} {'batch':>5} {'ctx':>6} {'step ms':>9} {'tok/s':>10} {'roof ms':>9} "
-          f"{'%roof':>6} {'host%':>6}")
+HEADER = (f"{'backend':8} {'dense':6} {'weights':15} {'batch':>5} {'ctx':>6} {'step ms':>9} {'tok/s':>10} "
+          f"{'roof ms':>9} {'%roof':>6} {'host%':>6}")
 
 
 def print_row(r) -> None:
     """One result line, printed as soon as it is measured (a time limit keeps what was done)."""
-    print(f"{r['backend']:8} {r['dense']:6} {r['batch']:5d} {r['context']:6d} {r['step_ms']:9.3f} "
+    print(f"{r['backend']:8} {r['dense']:6} {r['quant']:15} {r['batch']:5d} {r['context']:6d} {r['step_ms']:9.3f} "
           f"{r['tok_per_s']:10.1f} {r['roofline_ms']:9.3f} {100 * r['roofline_frac']:6.1f} "
           f"{100 * r['host_frac']:6.2f}", flush=True)
 
@@ -111,8 +151,14 @@ def main():
     ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     ap.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke run)")
     ap.add_argument("--trace", default=None, help="write a jax.profiler trace of one call at the largest batch")
+    ap.add_argument("--quant", default="bf16", choices=("bf16", "fp8_block", "mxfp8", "nvfp4"),
+                    help="linear layers (all but the lm_head) quantized in this format")
+    ap.add_argument("--fp8-activations", action="store_true", help="block FP8 as W8A8 (--quant fp8_block)")
+    ap.add_argument("--prefill-tokens", type=int, default=0, help="also time one prompt of this many tokens")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.fp8_activations and args.quant != "fp8_block":
+        ap.error("--fp8-activations needs --quant fp8_block")
     cfg = TINY if args.tiny else QWEN3_8B
     if args.layers:
         cfg = Qwen3Config(**{**cfg.__dict__, "num_hidden_layers": args.layers})
@@ -123,7 +169,8 @@ def main():
         for dense in args.dense_decode_backends:
             first = backend == args.backends[0] and dense == args.dense_decode_backends[0]
             results += bench(cfg, backend, args.batch, args.context, args.steps, args.iters, args.page_size,
-                             args.tp, trace_dir=args.trace if first else None, dense=dense)
+                             args.tp, trace_dir=args.trace if first else None, dense=dense, quant=args.quant,
+                             fp8_activations=args.fp8_activations, prefill_tokens=args.prefill_tokens)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -126,15 +126,10 @@ def experts_only_checkpoint(directory, experts: str):
     """A weightless checkpoint directory whose quantization config quantizes the routed experts
     (and nothing else) in ``experts`` format, so that random-weight runs hold them as serving
     does (the GLM-5.3 NVFP4 re-quantization keeps attention, dense and shared MLPs in bf16)."""
-    from kk_jax.quant.config import QuantConfig
+    from weightless import quantized_dir
 
-    block = (128, 128) if experts == "fp8_block" else (1, 16 if experts == "nvfp4" else 32)
     exclude = ("*self_attn*", "*shared_experts*", "*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj")
-    qc, hf_quant = QuantConfig(experts, block, exclude).to_hf()
-    (directory / "config.json").write_text(json.dumps({"quantization_config": qc}))
-    if hf_quant is not None:
-        (directory / "hf_quant_config.json").write_text(json.dumps(hf_quant))
-    return directory
+    return quantized_dir(directory, experts, exclude)
 
 
 def bench(c, backend: str, batches, contexts, steps: int, iters: int, tp: int, prefill_tokens: int,

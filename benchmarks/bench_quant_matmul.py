@@ -17,7 +17,10 @@ For every (M, N, K) it times, in one process on one GPU:
 
 Each timed call runs the op on R independent weight copies inside one jit (so decode shapes
 stream from HBM, not from the 60 MB L2, and launch gaps are amortised); time per op is the
-median over repetitions divided by R. TB/s counts the quantized weight bytes (incl. scales)
+median over repetitions divided by R. With ``--device-time``, decode-shaped rows (M <= 64) also
+get ``dev_us``: the GPU's busy time per op from a ``jax.profiler`` trace (every kernel of the op
+summed: split-K sums, activation quantization), which host dispatch between calls does not
+inflate (at 4096x4096, M = 1, the wall-clock time of a call was two-thirds idle GPU). TB/s counts the quantized weight bytes (incl. scales)
 plus activations and output; ``check`` is the relative L2 error of the GPU result against
 the jnp twin of the same numerics (pass < 1e-2). Prints a table and writes JSON.
 """
@@ -25,9 +28,11 @@ the jnp twin of the same numerics (pass < 1e-2). Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -72,13 +77,37 @@ def op_fn(fmt, path, interpret):
     return lambda x, w, s, s2: nvfp4.matmul(x, w, s, s2, **kw)
 
 
+@functools.lru_cache(maxsize=1)
+def jit_many(fn):
+    """One jit running ``fn`` on every copy in ``sets``, kept for the trace timing that follows the
+    wall-clock one of the same op."""
+    return jax.jit(lambda x, sets: tuple(fn(x, *ops) for ops in sets))
+
+
+def device_us(fn, x, sets, calls=20) -> float | None:
+    """GPU busy µs per op over ``calls`` traced calls of :func:`jit_many` (None without a GPU)."""
+    if jax.default_backend() != "gpu":
+        return None
+    from trace_summary import summarize
+
+    many = jit_many(fn)
+    jax.block_until_ready(many(x, sets))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(calls):
+                y = many(x, sets)
+            jax.block_until_ready(y)
+        busy = sum(p["busy_us"] for p in summarize(d, top=0))
+    return busy / (calls * len(sets))
+
+
 def timed(fn, x, sets, reps, warm_s=0.2, min_s=0.03):
     """Median seconds per op: ``reps`` timings of back-to-back calls that run fn on every copy
     in ``sets`` (one jit), each timing covering at least ``min_s`` of GPU work. Before timing,
     the op runs for ``warm_s`` so that the GPU leaves its idle clocks (a first H200 run of this
     script, 2026-11-29, timed everything at a ~30 us floor because it measured a few hundred
     microseconds right after each compile, with the SM clock still near idle)."""
-    many = jax.jit(lambda x, sets: tuple(fn(x, *ops) for ops in sets))
+    many = jit_many(fn)
     out = jax.block_until_ready(many(x, sets))                  # compile
     t_end, calls = time.perf_counter() + warm_s, 0
     while time.perf_counter() < t_end or calls < 2:
@@ -103,9 +132,8 @@ def timed(fn, x, sets, reps, warm_s=0.2, min_s=0.03):
 
 def _smoke_timed(fn, x, sets, reps):
     """CPU smoke run: one call, no warm-up (interpret mode is slow)."""
-    many = jax.jit(lambda x, sets: tuple(fn(x, *ops) for ops in sets))
     t0 = time.perf_counter()
-    out = jax.block_until_ready(many(x, sets))
+    out = jax.block_until_ready(jit_many(fn)(x, sets))
     return (time.perf_counter() - t0) / len(sets), out[0]
 
 
@@ -119,7 +147,7 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def run_dense(ms, nks, reps, interpret, budget_bytes, log):
+def run_dense(ms, nks, reps, interpret, budget_bytes, log, device_time=False):
     rows = []
     for n, k in nks:
         wbytes_q = n * k                                           # fp8 bytes per copy
@@ -140,6 +168,8 @@ def run_dense(ms, nks, reps, interpret, budget_bytes, log):
                     wb = nbytes(sets[0]) if wb is None else wb
                     row = dict(fmt=fmt, path=path, M=m, N=n, K=k, us=t * 1e6, tbs=(wb + act) / t / 1e12,
                                tflops=flops / t / 1e12, check=err, copies=len(sets))
+                    if device_time and m <= 64:
+                        row["dev_us"] = device_us(fn, xin, sets)
                 except Exception as e:                                      # keep measuring the rest
                     row = dict(fmt=fmt, path=path, M=m, N=n, K=k, error=f"{type(e).__name__}: {str(e)[:300]}")
                     traceback.print_exc(limit=3)
@@ -254,11 +284,13 @@ def fmt_row(r) -> str:
     if "error" in r:
         return f"{r['fmt']:<10} {r['path']:<18} {r.get('M', ''):>6} {r.get('N', ''):>6} {r.get('K', ''):>6}  ERROR {r['error'][:90]}"
     chk = "" if r.get("check") is None else f"{r['check']:.1e}" + (" ok" if r["check"] < 1e-2 else " FAIL")
-    return (f"{r['fmt']:<10} {r['path']:<18} {r['M']:>6} {r['N']:>6} {r['K']:>6} {r['us']:>10.1f} "
+    dev = f"{r['dev_us']:>10.1f}" if r.get("dev_us") else f"{'':>10}"
+    return (f"{r['fmt']:<10} {r['path']:<18} {r['M']:>6} {r['N']:>6} {r['K']:>6} {r['us']:>10.1f} {dev} "
             f"{r['tbs']:>7.2f} {r['tflops']:>8.1f}  {chk}")
 
 
-HEADER = f"{'format':<10} {'path':<18} {'M':>6} {'N':>6} {'K':>6} {'us':>10} {'TB/s':>7} {'TFLOP/s':>8}  check"
+HEADER = (f"{'format':<10} {'path':<18} {'M':>6} {'N':>6} {'K':>6} {'us':>10} {'dev_us':>10} {'TB/s':>7} "
+          f"{'TFLOP/s':>8}  check")
 
 
 def main(argv=None):
@@ -272,6 +304,8 @@ def main(argv=None):
     ap.add_argument("--moe-tokens", default="1,8,64,2048", help="routed tokens per grouped-expert call (top-8)")
     ap.add_argument("--no-dense", action="store_true", help="only the grouped-expert rows")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
+    ap.add_argument("--device-time", action="store_true",
+                    help="also trace decode-shaped rows (M <= 64) for GPU busy time per op")
     args = ap.parse_args(argv)
     interpret = args.cpu_smoke
     if args.cpu_smoke:
@@ -292,7 +326,7 @@ def main(argv=None):
         rows += run_moe(interpret, reps, log, token_counts=tuple(int(v) for v in args.moe_tokens.split(",")),
                         **({} if not args.cpu_smoke else dict(experts=4, k=256, n=128, top=2, routings=2)))
     if not args.no_dense:
-        rows += run_dense(ms, nks, reps, interpret, budget, log)
+        rows += run_dense(ms, nks, reps, interpret, budget, log, device_time=args.device_time)
     # side-by-side summary: ours vs XLA dequantize-then-dot and vs bf16 at each shape
     print("\nsummary (speed-up of pallas over xla_deq / over xla_bf16):", flush=True)
     idx = {(r["fmt"], r["path"], r.get("M"), r.get("N"), r.get("K")): r for r in rows if "error" not in r}
@@ -306,6 +340,8 @@ def main(argv=None):
             parts.append(f"x{deq['us'] / r['us']:.2f} vs xla_deq")
         if bf:
             parts.append(f"x{bf['us'] / r['us']:.2f} vs bf16")
+        if bf and r.get("dev_us") and bf.get("dev_us"):
+            parts.append(f"device time {r['dev_us']:.1f} us, x{bf['dev_us'] / r['dev_us']:.2f} vs bf16")
         if fp8 and path == "pallas_w8a8":
             parts.append(f"{r['tflops']:.0f} vs xla_fp8 {fp8['tflops']:.0f} TFLOP/s")
         print("  " + ", ".join(parts), flush=True)

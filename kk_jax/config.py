@@ -238,7 +238,8 @@ class EngineConfig:
     scan_layers: bool = True              # a model's repeating layer groups run as one scanned body
                                           # (compiled once; off: every layer unrolled)
     fp8_activations: bool = False         # block-FP8 linears run W8A8 (activations to e4m3 per 1x128 group,
-                                          # the release's reference numerics); off = W8A16, closer to bf16
+                                          # the release's reference numerics; routed MoE experts stay W8A16);
+                                          # off = W8A16, closer to bf16
 
     def __post_init__(self):
         if self.max_model_len < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

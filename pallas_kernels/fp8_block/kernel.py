@@ -39,7 +39,8 @@ def _check_block(block):
 
 def matmul_kernel(x, w_q, w_scale_inv, *, block=DEFAULT_BLOCK, act_quant=False, out_dtype=None,
                   interpret=False, **plan_overrides):
-    """x [..., K] @ dequant(w_q)^T -> [..., N]; plan_overrides: tk, splits, stages, bm."""
+    """x [..., K] @ dequant(w_q)^T -> [..., N]; plan_overrides: tk, splits, stages, bm (any override
+    keeps the call on this module's kernels, also where the warp-specialized forms would run)."""
     validate(x, w_q, w_scale_inv, block)
     _check_block(block)
     out_dtype = out_dtype or x.dtype

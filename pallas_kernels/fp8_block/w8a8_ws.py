@@ -7,10 +7,10 @@ of the other two runs an fp8 ``wgmma`` of its 64 weight rows into a fresh fp32 a
 warpgroup's ``wgmma`` occupies the tensor cores. Same numerics as the one-warpgroup kernel in
 ``kernel.py`` (same products, same promotion order): the two agree bit for bit.
 
-One H200, same process (RESULTS.md, 2026-11-30 part 13): 800-855 TFLOP/s at M = 2048 / 8192 on
-12288x4096 and 4096x12288 against 261-304 for the one-warpgroup kernel and ~1040-1240 for XLA's
-unscaled e4m3 dot. Bringing the activation scales through the TMA ring instead of a global load
-per K group gave ~20 % (RESULTS.md part 13).
+One H200 (RESULTS.md, 2026-11-30 part 13; activation quantization included): 785-856 TFLOP/s
+at M = 2048 / 8192 on 4096x4096, 12288x4096 and 4096x12288, against 261-304 for the
+one-warpgroup kernel and 980-1344 for XLA's unscaled e4m3 dot. Bringing the activation scales
+through the TMA ring instead of a global load per K group gave ~20 %.
 
 GPU only (Mosaic GPU's interpreter does not model warp-specialized pipelines): interpret mode and
 decode-shaped calls keep ``kernel.py``'s form.
@@ -30,7 +30,7 @@ from pallas_kernels.mxfp8 import wdequant as wd
 
 RB = 128                     # weight rows per CTA (one block row): two math warpgroups x 64
 BM = 128                     # tokens per CTA; 64 and 192 measured slower (RESULTS.md part 13)
-STAGES = 4                   # 3-5 within 3 % of each other
+STAGES = 4                   # 3-5 within ~5 % of each other
 COL = plgpu.Layout.WGMMA.reduce(0)
 
 

@@ -172,8 +172,8 @@ def test_kernel_prefill_then_decode_equals_longer_prefill():
 
 @pytest.mark.parametrize("kd,vdtype", [(64, jnp.float32), (128, jnp.bfloat16)])
 def test_prefill_kernels_lower_for_hopper(kd, vdtype):
-  """The GPU form of the prefill (register left-hand wgmma operands in the intra-chunk kernel,
-  which interpret mode replaces by shared-memory ones) passes Mosaic GPU lowering."""
+  """The prefill kernels (intra-chunk, scan, chunk cumsum) pass Mosaic GPU's lowering for
+  Hopper, which interpret mode never runs."""
   S = jax.ShapeDtypeStruct
   x = S((1, 200, 2, kd), jnp.bfloat16)
   args = (x, x, S((1, 200, 2, kd), vdtype), S((1, 200, 2, kd), jnp.float32),
