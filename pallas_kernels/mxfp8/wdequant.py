@@ -21,7 +21,7 @@ One kernel serves both shapes of the problem, only the tiling differs (``plan``)
 * prefill (M > 64): bm = 128 or 256 tokens, no split, a ``[64, bm]`` fp32 accumulator.
   On the GPU, MXFP8 and block FP8 run these shapes in a warp-specialized form instead
   (``prefill_ws``: 128 weight rows per CTA, 1.3-1.7x faster); NVFP4, grouped calls, calls with
-  plan overrides and the interpreter use this one.
+  plan overrides, grids too small for that form (``fills_gpu``) and the interpreter use this one.
 
 Dequantization per format (``fmt``):
 
@@ -96,7 +96,19 @@ TMA_ROWS = 8                 # row tiling of the x tiles in SMEM (TMA box rows)
 ROW = plgpu.Layout.WGMMA.reduce(1)
 WGMMA = plgpu.Layout.WGMMA
 UPCAST_2X = plgpu.Layout.WGMMA_UPCAST_2X
-NUM_SMS = 132                # H200; only used to size the decode split
+NUM_SMS = 132                # H200; sizes the decode split and the warp-specialized forms' minimum grid
+# The warp-specialized prefill form (``prefill_ws``) takes 128 weight rows per CTA where this
+# engine's prefill tiles take 64 (same tokens, neither splits K), and does that work ~1.5x as fast
+# (RESULTS.md part 12). While its grid fits in half the SMs, this engine's twice as many CTAs still
+# run in one wave and finish first (1 against 2 / 1.5 time units); beyond, they need two. So small
+# grids (e.g. a 128-token batch through a 4096-row weight: 32 CTAs) stay here. A model, not yet a
+# measurement at these sizes.
+WS_MIN_CTAS = NUM_SMS // 2 + 1
+
+
+def fills_gpu(row_blocks: int, token_tiles: int) -> bool:
+    """Whether a warp-specialized grid of ``row_blocks`` x ``token_tiles`` CTAs is large enough."""
+    return row_blocks * token_tiles >= WS_MIN_CTAS
 # Decode: K is split until about this many CTAs exist. The register-dequantizing formats are
 # bound by each CTA's chain of loads, conversions and wgmmas, so at up to 16 token rows many
 # short CTAs (two K steps each) beat a few long ones: one H200, M = 1, cap 12 x NUM_SMS against
@@ -469,13 +481,13 @@ def matmul_padded(fmt: str, x2, w, scales, n: int, out_dtype, interpret=False, *
     ``TMA_ROWS``, splits x into its even and odd columns for NVFP4, runs
     :func:`wdequant_matmul` and sums split-K partials. Prefill-shaped MXFP8 and block-FP8
     calls on the GPU (more than 64 rows, no plan overrides) run the warp-specialized form,
-    ``prefill_ws``, where their shapes fit it."""
+    ``prefill_ws``, where their shapes fit it and its grid is large enough (``fills_gpu``)."""
     m, kp = x2.shape
     if m > 64 and not interpret and not plan_overrides:
         from . import prefill_ws           # (imports this module)
 
         ws = prefill_ws.config(fmt, m, w.shape[0], kp, out_dtype)
-        if ws is not None:
+        if ws is not None and fills_gpu(w.shape[0] // prefill_ws.RB, -(-m // ws[0])):
             bm, tk, stages = ws
             y = prefill_ws.prefill_matmul(pad_rows(x2, round_up(m, bm)), w, scales[0], fmt=fmt, bm=bm, tk=tk,
                                           stages=stages, out_dtype=jnp.dtype(out_dtype))

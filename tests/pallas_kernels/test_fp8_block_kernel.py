@@ -105,7 +105,7 @@ def test_lowers_for_hopper(m, act_quant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("act_quant", [False, True])
-@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (300, 512, 1024), (1100, 384, 640)])
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (300, 512, 1024), (1100, 384, 640), (1100, 2560, 640)])
 def test_compiled_kernel_matches_oracle(m, n, k, act_quant):
     x, wq, ws = make(m, n, k, seed=5)
     y = matmul(x, wq, ws, act_quant=act_quant, backend="pallas", out_dtype=jnp.float32)
@@ -115,8 +115,9 @@ def test_compiled_kernel_matches_oracle(m, n, k, act_quant):
 
 @pytest.mark.gpu
 def test_compiled_prefill_bf16_output():
-    """The warp-specialized prefill form with a bf16 output tile (deeper pipeline than fp32)."""
-    x, wq, ws = make(1100, 384, 640, seed=6)
+    """The warp-specialized prefill form with a bf16 output tile (deeper pipeline than fp32); 2560
+    weight rows x 1100 tokens are a grid of 100 CTAs, enough for that form (``wdequant.fills_gpu``)."""
+    x, wq, ws = make(1100, 2560, 640, seed=6)
     y = matmul(x, wq, ws, backend="pallas", out_dtype=jnp.bfloat16)
     assert orc.rel_err(y.astype(jnp.float32), oracle_w8a16(x, wq, ws)) < 1e-2
 

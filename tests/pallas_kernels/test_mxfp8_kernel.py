@@ -129,7 +129,8 @@ def test_lowers_for_hopper(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (8, 1, 96), (300, 512, 1024), (1100, 384, 640)])
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (8, 1, 96), (300, 512, 1024), (1100, 384, 640),
+                                   (1100, 2560, 640)])
 def test_compiled_kernel_matches_oracle(m, n, k):
     x, wq, ws = make(m, n, k, seed=11)
     y = matmul(x, wq, ws, backend="pallas", out_dtype=jnp.float32)
@@ -138,8 +139,9 @@ def test_compiled_kernel_matches_oracle(m, n, k):
 
 @pytest.mark.gpu
 def test_compiled_prefill_bf16_output():
-    """The warp-specialized prefill form with a bf16 output tile (deeper pipeline than fp32)."""
-    x, wq, ws = make(1100, 384, 640, seed=12)
+    """The warp-specialized prefill form with a bf16 output tile (deeper pipeline than fp32); 2560
+    weight rows x 1100 tokens are a grid of 100 CTAs, enough for that form (``wdequant.fills_gpu``)."""
+    x, wq, ws = make(1100, 2560, 640, seed=12)
     y = matmul(x, wq, ws, backend="pallas", out_dtype=jnp.bfloat16)
     assert orc.rel_err(y.astype(jnp.float32), oracle(x, wq, ws)) < 1e-2
 
@@ -160,3 +162,13 @@ def test_prefill_ws_tiles_fit_shared_memory():
         for out in (jnp.bfloat16, jnp.float32):
             bm, tk, stages = ws.config(fmt, 4096, 4096, 4096, out)
             assert ws.smem_bytes(fmt, bm, tk, stages, jnp.dtype(out).itemsize) <= ws.SMEM_LIMIT
+
+
+def test_small_grids_stay_on_the_splitting_engine():
+    """A 128-token batch through a 4096-row weight is 32 warp-specialized CTAs on 132 SMs, where the
+    one-warpgroup engine's 64 CTAs of half the work finish first; such calls keep that engine."""
+    from pallas_kernels.mxfp8 import wdequant as wd
+
+    assert not wd.fills_gpu(4096 // 128, 1)            # M = 128 or 256 (one token tile), N = 4096
+    assert wd.fills_gpu(24576 // 128, 1)                # the fused gate/up of the same layer
+    assert wd.fills_gpu(4096 // 128, 2048 // 256)       # a 2048-token prefill chunk
