@@ -27,16 +27,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mxfp8 import wdequant as wd
+from pallas_kernels.mxfp8.prefill_ws import RB, store_wg_tile, ws_call
 
-RB = 128                     # weight rows per CTA (one block row): two math warpgroups x 64
+# per CTA: RB = 128 weight rows (one block row, two math warpgroups x 64) x BM tokens
 BM = 128                     # tokens per CTA; 64 and 192 measured slower (RESULTS.md part 13)
 STAGES = 4                   # 3-5 within ~5 % of each other
 COL = plgpu.Layout.WGMMA.reduce(0)
-
-
-def fits(n: int) -> bool:
-    """Whether a weight of ``n`` rows (padded) takes this form: whole 128-row blocks per CTA."""
-    return n % RB == 0
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
@@ -45,22 +41,16 @@ def prefill_matmul(xq, sxt, w, sw, *, out_dtype):
     w [N, K] e4m3 (N a multiple of 128, K of 128), sw [N/128, K/128] fp32 -> [M, N] out_dtype."""
     m, k = xq.shape
     n = w.shape[0]
-    if m % BM or not fits(n) or k % 128:
+    if m % BM or n % RB or k % 128:
         raise ValueError(f"operands not padded for the warp-specialized W8A8 form: M={m} N={n} K={k}")
     f8, f32 = jnp.float8_e4m3fn, jnp.float32
-    out_dtype = jnp.dtype(out_dtype)
 
     def kernel(x_gmem, sx_gmem, w_gmem, sw_gmem, o_gmem, o_smem):
         nb, mb = lax.axis_index("n"), lax.axis_index("m")
 
         def compute_context(eval_pipeline):
-            wg = lax.axis_index("wg")
             acc = eval_pipeline(plgpu.layout_cast(jnp.zeros((64, BM), f32), wd.WGMMA))
-            dst = o_smem.at[wg]
-            dst.T[...] = plgpu.layout_cast(acc.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(dst, o_gmem.at[pl.ds(mb * BM, BM), pl.ds(nb * RB + wg * 64, 64)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            store_wg_tile(acc, o_smem, o_gmem, BM)
 
         def body(idx, w_smem, x_smem, sx_smem, acc):
             (kk,) = idx
@@ -82,9 +72,4 @@ def prefill_matmul(xq, sxt, w, sw, *, out_dtype):
                       plgpu.BlockSpec((BM, 128), lambda kk: (mb, kk), transforms=wd.smem_tile(f8, 128)),
                       plgpu.BlockSpec((1, BM), lambda kk: (kk, mb))])(w_gmem, x_gmem, sx_gmem)
 
-    call = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        scratch_types=(plgpu.SMEM((2, BM, 64), out_dtype, transforms=wd.smem_tile(out_dtype, 64)),),
-        grid=(n // RB, m // BM), grid_names=("n", "m"), num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True))
-    return call(xq, sxt, w, sw)
+    return ws_call(kernel, m, n, BM, out_dtype)(xq, sxt, w, sw)

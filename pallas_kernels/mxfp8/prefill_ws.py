@@ -60,6 +60,30 @@ def config(fmt: str, m: int, n: int, k: int, out_dtype) -> tuple[int, int, int] 
     return None
 
 
+def store_wg_tile(acc, o_smem, o_gmem, bm: int) -> None:
+    """Epilogue of a compute warpgroup of a warp-specialized form: its [64 weight rows, bm tokens]
+    fp32 accumulator (value) to ``o_gmem[tokens, rows]`` in the output dtype, through its half of
+    the [2, bm, 64] SMEM tile."""
+    wg, nb, mb = lax.axis_index("wg"), lax.axis_index("n"), lax.axis_index("m")
+    dst = o_smem.at[wg]
+    dst.T[...] = plgpu.layout_cast(acc.astype(o_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dst, o_gmem.at[pl.ds(mb * bm, bm), pl.ds(nb * RB + wg * 64, 64)])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def ws_call(kernel, m: int, n: int, bm: int, out_dtype):
+    """The launch shared by the warp-specialized forms: grid (N / 128 weight blocks "n", M / bm
+    token tiles "m"), three warpgroups "wg" (two compute, one TMA), an [M, N] output and the
+    compute warpgroups' [2, bm, 64] output tile as scratch."""
+    out_dtype = jnp.dtype(out_dtype)
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        scratch_types=(plgpu.SMEM((2, bm, 64), out_dtype, transforms=wd.smem_tile(out_dtype, 64)),),
+        grid=(n // RB, m // bm), grid_names=("n", "m"), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True))
+
+
 @functools.partial(jax.jit, static_argnames=("fmt", "bm", "tk", "stages", "out_dtype"))
 def prefill_matmul(x, w, scale, *, fmt: str, bm: int, tk: int, stages: int, out_dtype):
     """x [M, K] bf16 (M a multiple of bm), w [N, K] e4m3 (N a multiple of 128), scale: mxfp8
@@ -81,16 +105,10 @@ def prefill_matmul(x, w, scale, *, fmt: str, bm: int, tk: int, stages: int, out_
         nb, mb = lax.axis_index("n"), lax.axis_index("m")
 
         def compute_context(eval_pipeline):
-            wg = lax.axis_index("wg")
-
             @functools.partial(pl.run_scoped, acc=plgpu.ACC((64, bm), jnp.float32))
             def _(acc):
                 eval_pipeline(acc)
-                dst = o_smem.at[wg]
-                dst.T[...] = plgpu.layout_cast(acc[...].astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(dst, o_gmem.at[pl.ds(mb * bm, bm), pl.ds(nb * RB + wg * 64, 64)])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                store_wg_tile(acc[...], o_smem, o_gmem, bm)
 
         def body(idx, w_smem, x_smem, *rest):
             (kk,) = idx
@@ -123,9 +141,4 @@ def prefill_matmul(x, w, scale, *, fmt: str, bm: int, tk: int, stages: int, out_
             body, grid=(k // tk,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=stages, compute_context=compute_context, in_specs=in_specs)(*srcs)
 
-    call = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        scratch_types=(plgpu.SMEM((2, bm, 64), out_dtype, transforms=wd.smem_tile(jnp.dtype(out_dtype), 64)),),
-        grid=(n // RB, m // bm), grid_names=("n", "m"), num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True))
-    return call(x, w, scale)
+    return ws_call(kernel, m, n, bm, out_dtype)(x, w, scale)

@@ -109,6 +109,8 @@ WS_MIN_CTAS = NUM_SMS // 2 + 1
 def fills_gpu(row_blocks: int, token_tiles: int) -> bool:
     """Whether a warp-specialized grid of ``row_blocks`` x ``token_tiles`` CTAs is large enough."""
     return row_blocks * token_tiles >= WS_MIN_CTAS
+
+
 # Decode: K is split until about this many CTAs exist. The register-dequantizing formats are
 # bound by each CTA's chain of loads, conversions and wgmmas, so at up to 16 token rows many
 # short CTAs (two K steps each) beat a few long ones: one H200, M = 1, cap 12 x NUM_SMS against
