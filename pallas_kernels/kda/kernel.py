@@ -305,8 +305,8 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
     T = (I + N)^-1, N = Diag(beta) A_kk strictly lower, by forward substitution in fp32 on
       T^T held in registers, the loop unrolled twice (measured fastest: the kernel's machine code
       is 125 KiB so; unrolled 4, 8 or 64 times it grows to 128.5 / 135 / 185 KiB and the
-      prefill takes 7 % / 50 % / 100 % longer: past ~128 KiB the code no longer fits the SM's
-      instruction cache, so code added to this kernel must stay below that);
+      prefill takes 7 % / 50 % / 100 % longer, a cliff at ~128 KiB consistent with the SM's
+      instruction cache; code added to this kernel should keep it below that);
     w = T (beta exp(G) k), u = T (beta v) in 3 bf16 passes (hi*hi + hi*lo + lo*hi, ~16-bit
       mantissa).
   The chain of small dependent steps leaves one warpgroup mostly waiting, so the CTA is
