@@ -21,7 +21,7 @@ Chunked prefill (`chunk_kda_pallas`), fla's stage split with stages 3 and 4 fuse
        A_qk / A_kk with the 16-token sub-chunk reference trick (exp(Gamma_i - r) *
        exp(r - Gamma_j), r = Gamma at the first token of row i's sub-chunk; 4 passes of 2
        wgmmas), T = (I + A_kk)^-1 Diag(beta) by fp32 forward substitution in registers
-       (64 steps, one SMEM row of A_kk each), w = T (exp(Gamma) k) and u = T v in 3 bf16
+       (64 steps, one SMEM row of Diag(beta) A_kk each), w = T (exp(Gamma) k) and u = T v in 3 bf16
        passes (hi*hi + hi*lo + lo*hi). Independent wgmmas are issued
        together before one wait (`_mm`); exponentials use the approximate ex2 path (outputs
        within ~1e-5 relative of exact expf on the H200, far below the bf16 operand rounding),
