@@ -378,19 +378,24 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
     with jax.named_scope("a_matrices"):
       # q, k rescaled by exp(G - r_row), r_row = G at the first token of the row's sub-chunk
       gam = plgpu.load(g_s, layout=_L.WGMMA)
-      rref = jnp.zeros((c, kd), f32)
-      for a in range(ns):
+      def sub_chunk_ref(a, rref):
         in_a = (rows_k() >= a * _SUB) & (rows_k() < (a + 1) * _SUB)
-        rref = jnp.where(in_a, lax.broadcast_in_dim(ref_vec(a * _SUB), (c, kd), [1]), rref)
+        ref_a = plgpu.load(gr_s.at[a], layout=_L.WGMMA.reduce(0))          # G at row a * _SUB
+        return jnp.where(in_a, lax.broadcast_in_dim(ref_a, (c, kd), [1]), rref)
+
+      rref = lax.fori_loop(0, ns, sub_chunk_ref, plgpu.layout_cast(jnp.zeros((c, kd), f32), _L.WGMMA))
       rowexp = jnp.exp(gam - rref)
       x1[...] = (tile(x1) * rowexp).astype(bf)
       k_row = (tile(k_s) * rowexp).astype(bf)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)                # qg (t3), kg (t2) read
       t2[...] = k_row
-      a_qk = jnp.zeros((c, c), f32)
-      a_kk = jnp.zeros((c, c), f32)
-      for a in range(ns):
-        expo = jnp.minimum(lax.broadcast_in_dim(ref_vec(a * _SUB), (c, kd), [1])
+
+      def sub_chunk_pass(a, acc):
+        # a rolled loop: the kernel's code is large enough that its size costs time (the
+        # substitution loop below ran 2x slower fully unrolled)
+        a_qk, a_kk = acc
+        ref_a = plgpu.load(gr_s.at[a], layout=_L.WGMMA.reduce(0))          # G at row a * _SUB
+        expo = jnp.minimum(lax.broadcast_in_dim(ref_a, (c, kd), [1])
                            - plgpu.load(g_s, layout=_L.WGMMA), _EXP_CLAMP)
         # keys after sub-chunk a never meet its rows (causal); zero them so no exp(85)-sized
         # products (inf after the 64-term sum) appear even in discarded entries
@@ -399,8 +404,10 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
         keys = t3.transpose((1, 0))
         mine = (rows_c() >= a * _SUB) & (rows_c() < (a + 1) * _SUB)
         p_qk, p_kk = _mm(((c, c), (x1, keys)), ((c, c), (t2, keys)))
-        a_qk = jnp.where(mine, p_qk, a_qk)
-        a_kk = jnp.where(mine, p_kk, a_kk)
+        return jnp.where(mine, p_qk, a_qk), jnp.where(mine, p_kk, a_kk)
+
+      zero = plgpu.layout_cast(jnp.zeros((c, c), f32), _L.WGMMA)
+      a_qk, a_kk = lax.fori_loop(0, ns, sub_chunk_pass, (zero, zero))
     with jax.named_scope("a_out"):
       plgpu.copy_gmem_to_smem(v_ref.at[ch, :, h, :], v_s, vbar.at[0])   # x1 is free again
       m5[...] = jnp.where(cols_c() <= rows_c(), a_qk, 0.0).astype(bf)
