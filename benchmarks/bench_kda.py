@@ -305,7 +305,8 @@ def scope_profile(t, h):
   plain = plgpu.CompilerParams
   plgpu.CompilerParams = lambda **kw: plain(**kw, profile_space=64, profile_dir=d)
   try:
-    jax.block_until_ready(jax.jit(lambda *x: kk._intra_call(*x, interpret=False))(*ins))
+    jax.block_until_ready(jax.jit(lambda *x: kk._intra_call(*x, interpret=False, scale=128 ** -0.5,
+                                                         l2norm=True))(*ins))
   finally:
     plgpu.CompilerParams = plain
   events = json.loads(Path(sorted(glob.glob(d + "/*.json"))[-1]).read_text())["traceEvents"]
