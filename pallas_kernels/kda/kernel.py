@@ -14,9 +14,11 @@ donates the pool) or after every token into `states` (verify). State traffic is 
 read and one write of the state per call (decode) -- the roofline for this op.
 
 Chunked prefill (`chunk_kda_pallas`), fla's stage split with stages 3 and 4 fused:
-  0.   XLA input prep: l2norm + scale of q/k and GVA expansion (one fused elementwise
-       pass, bf16 out) and for varlen the gather into sequence-aligned 64-token chunks;
-       the chunk-local fp32 cumsum Gamma of g (`chunk_cumsum.py`, Mosaic GPU).
+  0.   Input prep: for varlen the gather into sequence-aligned 64-token chunks; the
+       chunk-local fp32 cumsum Gamma of g (`chunk_cumsum.py`, Mosaic GPU). bf16 q / k go to
+       the intra-chunk kernel as they are (it l2-normalises and scales them and maps value
+       heads to q/k heads); other dtypes are normalised, scaled and GVA-expanded by XLA in
+       fp32 first (one fused elementwise pass, bf16 out).
   1-2. `_intra_call` (Mosaic GPU, one CTA per (head, chunk), all chunks in parallel):
        A_qk / A_kk with the 16-token sub-chunk reference trick (exp(Gamma_i - r) *
        exp(r - Gamma_j), r = Gamma at the first token of row i's sub-chunk; 4 passes of 2
@@ -50,6 +52,7 @@ than about -5.6 per token can lose accuracy there (use backend="xla" for such ga
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +62,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import interpret_kwargs
 
-from ._common import KDACheckpoints, prepare_qk
+from ._common import L2NORM_EPS, KDACheckpoints, prepare_qk
 from .chunk_cumsum import chunk_cumsum, kernel_supported as cumsum_kernel_supported
 from .reference import CHUNK, _chunk_table
 
@@ -292,13 +295,14 @@ def _split(x):
   return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
+@functools.partial(jax.jit, static_argnames=("interpret", "scale", "l2norm"))
+def _intra_call(qn, kn, v, gam, beta_t, *, interpret, scale=1.0, l2norm=False):
   """Stages 1-2 on the tensor cores (Mosaic GPU), one CTA per (head, chunk).
 
-  qn, kn [NC,C,HV,K] bf16 (l2-normalised, q scaled, GVA-expanded); v [NC,C,HV,V] bf16 or
-  f32; gam [NC,C,HV,K] f32 chunk-local cumsum of g; beta_t [NC,HV,C] f32. Returns the same
-  operands as `_intra`. Per CTA:
+  qn, kn [NC,C,H,K] bf16, H dividing HV (value head j reads q/k head j // (HV // H)); the
+  CTA l2-normalises them over K when `l2norm` and scales q by `scale` (in fp32, rounded once
+  to bf16, as `prepare_qk`); v [NC,C,HV,V] bf16 or f32; gam [NC,C,HV,K] f32 chunk-local cumsum
+  of g; beta_t [NC,HV,C] f32. Returns the same operands as `_intra`. Per CTA:
     A_qk, A_kk: 4 sub-chunk reference passes, each 2 wgmmas [C,K] @ [K,C] with operands
       q exp(G - r_row), k exp(G - r_row) and k exp(min(r_a - G, 85)) (bf16), keeping the
       rows of sub-chunk a;
@@ -319,8 +323,9 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
     x5  gamma (f32) -> beta exp(G) k (hi | lo) -> u staging (f32)
   and v is only read once the inverse starts.
   """
-  nct, c, hv, kd = qn.shape
-  vd = v.shape[-1]
+  nct, c, hq, kd = qn.shape
+  hv, vd = v.shape[2], v.shape[-1]
+  group = hv // hq
   f32, bf = jnp.float32, jnp.bfloat16
   ns = c // _SUB
   ref_rows = tuple(range(0, c, _SUB)) + (c - 1,)
@@ -336,8 +341,8 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
     g_s, (rh_s, rl_s) = x5
     v_s = v_f32 if v_own else x1
     with jax.named_scope("load"):
-      plgpu.copy_gmem_to_smem(q_ref.at[ch, :, h, :], x1, bar.at[0])
-      plgpu.copy_gmem_to_smem(k_ref.at[ch, :, h, :], k_s, bar.at[0])
+      plgpu.copy_gmem_to_smem(q_ref.at[ch, :, h // group, :], x1, bar.at[0])
+      plgpu.copy_gmem_to_smem(k_ref.at[ch, :, h // group, :], k_s, bar.at[0])
       plgpu.copy_gmem_to_smem(g_ref.at[ch, :, h, :], g_s, bar.at[0])
       plgpu.copy_gmem_to_smem(b_ref.at[ch, h], b_s, bar.at[0])
       # Gamma rows used as per-column vectors (sub-chunk references, last row) live in their
@@ -366,6 +371,16 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
     rows_k = lambda: lax.broadcast_in_dim(row_v, (c, kd), [0])
     rows_c = lambda: lax.broadcast_in_dim(row_v, (c, c), [0])
     cols_c = lambda: lax.broadcast_in_dim(col_v, (c, c), [1])
+    if l2norm or scale != 1.0:
+      with jax.named_scope("qk_prep"):
+        for ref, mult in ((x1, scale), (k_s, 1.0)):
+          x = tile(ref)
+          if l2norm:
+            inv = lax.rsqrt(jnp.sum(x * x, axis=1) + L2NORM_EPS)
+            x = x * lax.broadcast_in_dim(inv, (c, kd), [0])
+          if mult != 1.0 or l2norm:
+            ref[...] = (x * mult if mult != 1.0 else x).astype(bf)
+        plgpu.commit_smem()
     with jax.named_scope("qg_kg_out"):
       # outputs that need only G, q, k: qg = q exp(G), kg = k exp(G_last - G), exp(G_last)
       gam = plgpu.load(g_s, layout=_L.WGMMA)
@@ -380,19 +395,24 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
     with jax.named_scope("a_matrices"):
       # q, k rescaled by exp(G - r_row), r_row = G at the first token of the row's sub-chunk
       gam = plgpu.load(g_s, layout=_L.WGMMA)
-      rref = jnp.zeros((c, kd), f32)
-      for a in range(ns):
+      def sub_chunk_ref(a, rref):
         in_a = (rows_k() >= a * _SUB) & (rows_k() < (a + 1) * _SUB)
-        rref = jnp.where(in_a, lax.broadcast_in_dim(ref_vec(a * _SUB), (c, kd), [1]), rref)
+        ref_a = plgpu.load(gr_s.at[a], layout=_L.WGMMA.reduce(0))          # G at row a * _SUB
+        return jnp.where(in_a, lax.broadcast_in_dim(ref_a, (c, kd), [1]), rref)
+
+      rref = lax.fori_loop(0, ns, sub_chunk_ref, plgpu.layout_cast(jnp.zeros((c, kd), f32), _L.WGMMA))
       rowexp = jnp.exp(gam - rref)
       x1[...] = (tile(x1) * rowexp).astype(bf)
       k_row = (tile(k_s) * rowexp).astype(bf)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)                # qg (t3), kg (t2) read
       t2[...] = k_row
-      a_qk = jnp.zeros((c, c), f32)
-      a_kk = jnp.zeros((c, c), f32)
-      for a in range(ns):
-        expo = jnp.minimum(lax.broadcast_in_dim(ref_vec(a * _SUB), (c, kd), [1])
+
+      def sub_chunk_pass(a, acc):
+        # a rolled loop: the kernel's code is large enough that its size costs time (the
+        # substitution loop below ran 2x slower fully unrolled)
+        a_qk, a_kk = acc
+        ref_a = plgpu.load(gr_s.at[a], layout=_L.WGMMA.reduce(0))          # G at row a * _SUB
+        expo = jnp.minimum(lax.broadcast_in_dim(ref_a, (c, kd), [1])
                            - plgpu.load(g_s, layout=_L.WGMMA), _EXP_CLAMP)
         # keys after sub-chunk a never meet its rows (causal); zero them so no exp(85)-sized
         # products (inf after the 64-term sum) appear even in discarded entries
@@ -401,8 +421,10 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
         keys = t3.transpose((1, 0))
         mine = (rows_c() >= a * _SUB) & (rows_c() < (a + 1) * _SUB)
         p_qk, p_kk = _mm(((c, c), (x1, keys)), ((c, c), (t2, keys)))
-        a_qk = jnp.where(mine, p_qk, a_qk)
-        a_kk = jnp.where(mine, p_kk, a_kk)
+        return jnp.where(mine, p_qk, a_qk), jnp.where(mine, p_kk, a_kk)
+
+      zero = plgpu.layout_cast(jnp.zeros((c, c), f32), _L.WGMMA)
+      a_qk, a_kk = lax.fori_loop(0, ns, sub_chunk_pass, (zero, zero))
     with jax.named_scope("a_out"):
       plgpu.copy_gmem_to_smem(v_ref.at[ch, :, h, :], v_s, vbar.at[0])   # x1 is free again
       m5[...] = jnp.where(cols_c() <= rows_c(), a_qk, 0.0).astype(bf)
@@ -483,9 +505,9 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
 
 
 def _intra_inputs(q, k, v, g, beta, *, interpret):
-  """Chunk-layout inputs (as `_intra`; v bf16 or f32) -> the operands of `_intra_call`: bf16
-  q / k, v as given, the chunk-local cumsum of g (`chunk_cumsum` where HV*K fills its 128-column
-  groups, XLA's otherwise), beta head-major."""
+  """Chunk-layout inputs (as `_intra`, but q / k may have fewer heads than v; v bf16 or f32) ->
+  the operands of `_intra_call`: bf16 q / k, v as given, the chunk-local cumsum of g
+  (`chunk_cumsum` where HV*K fills its 128-column groups, XLA's otherwise), beta head-major."""
   gam = (chunk_cumsum(g, interpret=interpret) if cumsum_kernel_supported(g)
          else jnp.cumsum(g, axis=1))
   return q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v, gam, jnp.swapaxes(beta, 1, 2)
@@ -634,10 +656,18 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
   if intra not in ("pallas", "xla"):
     raise ValueError(f"intra must be 'pallas' or 'xla', got {intra!r}")
   check_kernel_dims(q.shape[-1], v.shape[-1])
-  b, t, _, _kd = q.shape
+  b, t, _, kd = q.shape
   hv, vd = v.shape[2], v.shape[3]
   c = CHUNK
-  qf, kf = prepare_qk(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm, hv=hv)
+  # bf16 q / k (the models' case) are normalised, scaled and GVA-mapped inside the intra-chunk
+  # kernel; other dtypes are normalised in fp32 first, so that they are rounded to bf16 once
+  in_kernel = intra == "pallas" and q.dtype == k.dtype == jnp.bfloat16
+  if in_kernel:
+    qf, kf = q, k
+    qk_prep = dict(scale=1.0 / math.sqrt(kd) if scale is None else float(scale), l2norm=use_qk_l2norm)
+  else:
+    qf, kf = prepare_qk(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm, hv=hv)
+    qk_prep = {}
   vf = v if (v.dtype == jnp.bfloat16 and intra == "pallas") else v.astype(jnp.float32)
   gf, bf = g.astype(jnp.float32), beta.astype(jnp.float32)
   every = checkpoint_every
@@ -674,7 +704,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
   chunks = tuple(map(to_chunks, (qf, kf, vf, gf, bf)))
   if intra == "pallas":
     w, qg, kg, u, a, gl = _intra_call(*_intra_inputs(*chunks, interpret=interpret),
-                                      interpret=interpret)
+                                      interpret=interpret, **qk_prep)
   else:
     w, qg, kg, u, a, gl = _intra(*chunks)
   init = None if initial_state is None else initial_state.astype(jnp.float32)

@@ -70,6 +70,20 @@ def test_chunk_kernel_batched_gva_fp32():
   np.testing.assert_array_equal(np.asarray(o2), np.asarray(o))
 
 
+def test_chunk_kernel_qk_prep_in_kernel_matches_xla_prep():
+  """bf16 q / k are l2-normalised, scaled and mapped to their value heads (GVA) inside the
+  intra-chunk kernel; the same values as fp32 are normalised by XLA first. Both paths agree to
+  bf16 rounding and match the oracle."""
+  q, k, v, g, beta = make_inputs(b=2, t=130, h=2, hv=4, kd=64, vd=64, seed=5, dtype=jnp.bfloat16)
+  kw = dict(scale=0.3, use_qk_l2norm=True, output_final_state=True, backend="pallas",
+            interpret=_interpret())
+  o, fin = chunk_kda(q, k, v, g, beta, **kw)
+  o32, fin32 = chunk_kda(q.astype(jnp.float32), k.astype(jnp.float32), v, g, beta, **kw)
+  oo, ff, _ = kda_oracle(q, k, v, g, beta, scale=0.3, use_qk_l2norm=True, dtype=np.float64)
+  assert rel_err(o, o32) < 5e-3 and rel_err(fin, fin32) < 5e-3
+  assert rel_err(o, oo) < PREFILL_TOL and rel_err(fin, ff) < PREFILL_TOL
+
+
 def test_chunk_kernel_scan_tile_widths_agree(monkeypatch):
   """The scan's 32-column V tiles (few CTAs) and 64-column ones give the same outputs."""
   q, k, v, g, beta = make_inputs(t=200, h=2, kd=128, vd=128, seed=9)
