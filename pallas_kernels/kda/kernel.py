@@ -303,8 +303,10 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret):
       q exp(G - r_row), k exp(G - r_row) and k exp(min(r_a - G, 85)) (bf16), keeping the
       rows of sub-chunk a;
     T = (I + N)^-1, N = Diag(beta) A_kk strictly lower, by forward substitution in fp32 on
-      T^T held in registers, the loop unrolled twice (measured fastest: fully unrolled the
-      kernel is 2x slower, unrolled 4 or 8 times 7-50 % slower; likely instruction cache);
+      T^T held in registers, the loop unrolled twice (measured fastest: the kernel's machine code
+      is 125 KiB so; unrolled 4, 8 or 64 times it grows to 128.5 / 135 / 185 KiB and the
+      prefill takes 7 % / 50 % / 100 % longer, a cliff at ~128 KiB consistent with the SM's
+      instruction cache; code added to this kernel should keep it below that);
     w = T (beta exp(G) k), u = T (beta v) in 3 bf16 passes (hi*hi + hi*lo + lo*hi, ~16-bit
       mantissa).
   The chain of small dependent steps leaves one warpgroup mostly waiting, so the CTA is
