@@ -14,6 +14,12 @@ one-warpgroup engine (1.14x XLA's bf16 dot), 12288x4096 332 against 515 us; bloc
 dequantize-then-dot (0.79-0.85x against 0.88-0.92x XLA bf16), so the linear layers hand such
 chunks to XLA (``linear.kernel_max_rows``).
 
+With a pipeline of three or more stages, an MXFP8 step (two or more ``wgmma`` groups) waits
+for all but its last group, which keeps the tensor cores busy while the next tile is dequantized
+(its pipeline slots are released one step late): +5-6 % at M = 2048 / 8192 on the H200, results
+bit-identical (RESULTS.md part 14). Block FP8 keeps the full wait: its step is one group, and
+deferring that wait returned inf on the H200; its 2-stage pipeline would also lose a stage.
+
 GPU only: Mosaic GPU's interpreter models neither warp-specialized pipelines nor register
 operands, so interpret mode keeps ``wdequant``'s one-warpgroup form (same numerics).
 """
@@ -93,6 +99,7 @@ def prefill_matmul(x, w, scale, *, fmt: str, bm: int, tk: int, stages: int, out_
     bf16 = jnp.bfloat16
     w_tr = wd.smem_tile(jnp.float8_e4m3fn, tk)
     cw = min(128, tk)                        # stored columns per register load = the swizzle
+    delay = int(fmt == "mxfp8" and stages >= 3)        # wgmma groups left running at a step's end
     if fmt == "mxfp8":
         scale = scale.reshape(k // 32, n // 64, 64)    # a CTA's two 64-row scale vectors per block
         x_tr = wd.smem_tile(bf16, tk, swizzle=64)      # wgmma reads it in 32-column groups
@@ -108,6 +115,7 @@ def prefill_matmul(x, w, scale, *, fmt: str, bm: int, tk: int, stages: int, out_
             @functools.partial(pl.run_scoped, acc=plgpu.ACC((64, bm), jnp.float32))
             def _(acc):
                 eval_pipeline(acc)
+                plgpu.wgmma_wait(0)
                 store_wg_tile(acc[...], o_smem, o_gmem, bm)
 
         def body(idx, w_smem, x_smem, *rest):
@@ -128,14 +136,14 @@ def prefill_matmul(x, w, scale, *, fmt: str, bm: int, tk: int, stages: int, out_
                     j = c * (cw // 32) + jj
                     v = chunk[:, 32 * jj:32 * (jj + 1)] * lax.broadcast_in_dim(sc[j], (64, 32), [0])
                     plgpu.wgmma(acc, v, x_smem.at[:, pl.ds(32 * j, 32)].T)
-            plgpu.wgmma_wait(0)
+            plgpu.wgmma_wait(delay)
             return acc
 
-        in_specs = [plgpu.BlockSpec((RB, tk), lambda kk: (nb, kk), transforms=w_tr),
-                    plgpu.BlockSpec((bm, tk), lambda kk: (mb, kk), transforms=x_tr)]
+        in_specs = [plgpu.BlockSpec((RB, tk), lambda kk: (nb, kk), transforms=w_tr, delay_release=delay),
+                    plgpu.BlockSpec((bm, tk), lambda kk: (mb, kk), transforms=x_tr, delay_release=delay)]
         srcs = [w_gmem, x_gmem]
         if fmt == "mxfp8":
-            in_specs.append(plgpu.BlockSpec((tk // 32, 2, 64), lambda kk: (kk, nb, 0)))
+            in_specs.append(plgpu.BlockSpec((tk // 32, 2, 64), lambda kk: (kk, nb, 0), delay_release=delay))
             srcs.append(s_gmem)
         plgpu.emit_pipeline_warp_specialized(
             body, grid=(k // tk,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
