@@ -307,10 +307,14 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret, scale=1.0, l2norm=False):
       q exp(G - r_row), k exp(G - r_row) and k exp(min(r_a - G, 85)) (bf16), keeping the
       rows of sub-chunk a;
     T = (I + N)^-1, N = Diag(beta) A_kk strictly lower, by forward substitution in fp32 on
-      T^T held in registers, the loop unrolled twice (measured fastest: the kernel's machine code
-      is 125 KiB so; unrolled 4, 8 or 64 times it grows to 128.5 / 135 / 185 KiB and the
-      prefill takes 7 % / 50 % / 100 % longer, a cliff at ~128 KiB consistent with the SM's
-      instruction cache; code added to this kernel should keep it below that);
+      T^T held in registers, the loop unrolled twice;
+    machine code size is a limit of this kernel: with the sub-chunk passes unrolled it was
+      125 KiB (sm_90a), and unrolling the substitution 4, 8 or 64 times (128.5 / 135 / 185 KiB)
+      made the prefill 7 % / 50 % / 100 % slower, a cliff at ~128 KiB consistent with the SM's
+      instruction cache; adding the q/k l2-normalisation to that form (135 KiB) made it 40 %
+      slower. So the sub-chunk passes and reference rows run as loops: 95 KiB with the
+      l2-normalisation, 8 % faster than the unrolled form without it (RESULTS.md part 15);
+      code added here should keep the kernel well below 128 KiB;
     w = T (beta exp(G) k), u = T (beta v) in 3 bf16 passes (hi*hi + hi*lo + lo*hi, ~16-bit
       mantissa).
   The chain of small dependent steps leaves one warpgroup mostly waiting, so the CTA is
