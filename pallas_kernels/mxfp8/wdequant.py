@@ -21,7 +21,8 @@ One kernel serves both shapes of the problem, only the tiling differs (``plan``)
 * prefill (M > 64): bm = 128 or 256 tokens, no split, a ``[64, bm]`` fp32 accumulator.
   On the GPU, MXFP8 and block FP8 run these shapes in a warp-specialized form instead
   (``prefill_ws``: 128 weight rows per CTA, 1.3-1.7x faster); NVFP4, grouped calls, calls with
-  plan overrides, grids too small for that form (``fills_gpu``) and the interpreter use this one.
+  plan overrides, block-FP8 grids too small for that form (``fills_gpu``) and the interpreter
+  use this one.
 
 Dequantization per format (``fmt``):
 
@@ -98,17 +99,18 @@ WGMMA = plgpu.Layout.WGMMA
 UPCAST_2X = plgpu.Layout.WGMMA_UPCAST_2X
 NUM_SMS = 132                # H200; sizes the decode split and the warp-specialized forms' minimum grid
 # The warp-specialized prefill form (``prefill_ws``) takes 128 weight rows per CTA where this
-# engine's prefill tiles take 64 (same tokens, neither splits K), and does that work ~1.5x as fast
-# (RESULTS.md part 12). While its grid fits in half the SMs, this engine's twice as many CTAs still
-# run in one wave and finish first (1 against 2 / 1.5 time units); beyond, they need two. So small
-# grids (e.g. a 128-token batch through a 4096-row weight: 32 CTAs) stay here. A model, not yet a
-# measurement at these sizes.
-WS_MIN_CTAS = NUM_SMS // 2 + 1
+# engine's prefill tiles take 64 (same tokens, neither splits K). Whether it also wins on grids
+# smaller than the GPU was measured on the H200 at 128-2048 tokens (same process, bf16 out,
+# RESULTS.md part 15): MXFP8's form is never slower (0.99-1.10x at 8-64 CTAs, 1.3-1.8x at 96 and
+# more, 1.54x already at 32 CTAs for 4096x12288), so it takes every grid; block FP8's form loses
+# below about half the SMs (0.82-0.97x at 8-64 CTAs, except 1.16x for 4096x12288 at 32) and wins
+# above (1.32-1.50x at 128), so its small grids stay here.
+WS_MIN_CTAS = {"mxfp8": 1, "fp8_block": NUM_SMS // 2 + 1}
 
 
-def fills_gpu(row_blocks: int, token_tiles: int) -> bool:
+def fills_gpu(fmt: str, row_blocks: int, token_tiles: int) -> bool:
     """Whether a warp-specialized grid of ``row_blocks`` x ``token_tiles`` CTAs is large enough."""
-    return row_blocks * token_tiles >= WS_MIN_CTAS
+    return row_blocks * token_tiles >= WS_MIN_CTAS[fmt]
 
 
 # Decode: K is split until about this many CTAs exist. The register-dequantizing formats are
@@ -489,7 +491,7 @@ def matmul_padded(fmt: str, x2, w, scales, n: int, out_dtype, interpret=False, *
         from . import prefill_ws           # (imports this module)
 
         ws = prefill_ws.config(fmt, m, w.shape[0], kp, out_dtype)
-        if ws is not None and fills_gpu(w.shape[0] // prefill_ws.RB, -(-m // ws[0])):
+        if ws is not None and fills_gpu(fmt, w.shape[0] // prefill_ws.RB, -(-m // ws[0])):
             bm, tk, stages = ws
             y = prefill_ws.prefill_matmul(pad_rows(x2, round_up(m, bm)), w, scales[0], fmt=fmt, bm=bm, tk=tk,
                                           stages=stages, out_dtype=jnp.dtype(out_dtype))

@@ -140,7 +140,7 @@ def test_compiled_kernel_matches_oracle(m, n, k):
 @pytest.mark.gpu
 def test_compiled_prefill_bf16_output():
     """The warp-specialized prefill form with a bf16 output tile (deeper pipeline than fp32); 2560
-    weight rows x 1100 tokens are a grid of 100 CTAs, enough for that form (``wdequant.fills_gpu``)."""
+    weight rows x 1100 tokens (MXFP8 takes that form on every grid, ``wdequant.fills_gpu``)."""
     x, wq, ws = make(1100, 2560, 640, seed=12)
     y = matmul(x, wq, ws, backend="pallas", out_dtype=jnp.bfloat16)
     assert orc.rel_err(y.astype(jnp.float32), oracle(x, wq, ws)) < 1e-2
@@ -164,11 +164,14 @@ def test_prefill_ws_tiles_fit_shared_memory():
             assert ws.smem_bytes(fmt, bm, tk, stages, jnp.dtype(out).itemsize) <= ws.SMEM_LIMIT
 
 
-def test_small_grids_stay_on_the_splitting_engine():
-    """A 128-token batch through a 4096-row weight is 32 warp-specialized CTAs on 132 SMs, where the
-    one-warpgroup engine's 64 CTAs of half the work finish first; such calls keep that engine."""
+def test_small_grids_choose_the_engine_per_format():
+    """MXFP8's warp-specialized form wins on every grid measured, so it takes them all; block FP8's
+    loses on grids below about half the SMs (e.g. a 128-token batch through a 4096-row weight: 32
+    CTAs), which keep the one-warpgroup engine."""
     from pallas_kernels.mxfp8 import wdequant as wd
 
-    assert not wd.fills_gpu(4096 // 128, 1)            # M = 128 or 256 (one token tile), N = 4096
-    assert wd.fills_gpu(24576 // 128, 1)                # the fused gate/up of the same layer
-    assert wd.fills_gpu(4096 // 128, 2048 // 256)       # a 2048-token prefill chunk
+    assert wd.fills_gpu("mxfp8", 4096 // 128, 1)
+    assert wd.fills_gpu("mxfp8", 1024 // 128, 1)
+    assert not wd.fills_gpu("fp8_block", 4096 // 128, 1)        # M = 128 or 256 (one token tile), N = 4096
+    assert wd.fills_gpu("fp8_block", 24576 // 128, 1)           # the fused gate/up of the same layer
+    assert wd.fills_gpu("fp8_block", 4096 // 128, 2048 // 256)  # a 2048-token prefill chunk
