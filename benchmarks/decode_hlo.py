@@ -12,7 +12,7 @@ Needs the CUDA plugin, not the NVIDIA libraries or a driver:
 
     pip install jax-cuda13-plugin==0.11.2 jax-cuda13-pjrt==0.11.2    # e.g. into --target DIR
     JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python benchmarks/decode_hlo.py --layers 2 [--batch 1] \\
-        [--tp 2] [--model glm5] [--hlo step.txt]
+        [--tp 2] [--model glm5] [--quant nvfp4] [--hlo step.txt]
 
 Prints every kernel-launching instruction of one loop iteration (fusions, custom calls,
 conditionals), their total and, for Qwen3 (whose layers are alike), the count per layer, and
@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import tempfile
 import time
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -66,11 +68,12 @@ def h200_mesh(tp: int = 1) -> Mesh:
 
 
 def decode_program(layers: int, batch: int, tp: int = 1, steps: int = 8, context: int = 1024,
-                   page_size: int = 64, model: str = "qwen3") -> tuple[str, float, float]:
+                   page_size: int = 64, model: str = "qwen3", quant: str = "bf16") -> tuple[str, float, float]:
     """HLO text of the compiled decode loop of a ``layers``-layer Qwen3-8B-shaped model (or
     GLM-5.3-Flash-shaped, ``model="glm5"``: the real KDA / DSA and dense / MoE layer pattern),
     with the seconds spent lowering it and compiling it (host work: the same on any machine
-    with this CPU, GPU or not)."""
+    with this CPU, GPU or not). ``quant`` (Qwen3): every linear but the lm_head in that format,
+    as ``bench_decode.py --quant``."""
     if model == "glm5":
         from bench_glm5 import flash_config
 
@@ -83,8 +86,13 @@ def decode_program(layers: int, batch: int, tp: int = 1, steps: int = 8, context
     ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=batch, max_num_batched_tokens=page_size,
                         page_size=page_size, num_pages=batch * pages + 1, decode_steps=steps, kernel_backend="pallas",
                         tp=tp, scan_layers=False)       # unrolled: one flat loop body to count
-    runner = ModelRunner(model_cls, cfg, None, jnp.bfloat16, ecfg, h200_mesh(tp), progress=False,
-                         compile_only=True)
+    with tempfile.TemporaryDirectory() as tmp:      # the quantization config is read at construction
+        model_dir = None
+        if quant != "bf16":
+            from weightless import quantized_dir
+            model_dir = quantized_dir(Path(tmp), quant, exclude=("lm_head",))
+        runner = ModelRunner(model_cls, cfg, model_dir, jnp.bfloat16, ecfg, h200_mesh(tp), progress=False,
+                             compile_only=True)
     t0 = time.perf_counter()
     lowered = runner._lower("decode", batch)
     t1 = time.perf_counter()
@@ -106,9 +114,13 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--model", choices=("qwen3", "glm5"), default="qwen3")
+    ap.add_argument("--quant", default="bf16", choices=("bf16", "fp8_block", "mxfp8", "nvfp4"),
+                    help="Qwen3's linear layers (all but the lm_head) quantized in this format")
     ap.add_argument("--hlo", default=None, help="also write the compiled program's HLO text here")
     args = ap.parse_args()
-    hlo, lower_s, compile_s = decode_program(args.layers, args.batch, args.tp, model=args.model)
+    if args.quant != "bf16" and args.model != "qwen3":
+        ap.error("--quant applies to --model qwen3")
+    hlo, lower_s, compile_s = decode_program(args.layers, args.batch, args.tp, model=args.model, quant=args.quant)
     if args.hlo:
         with open(args.hlo, "w") as f:
             f.write(hlo)
@@ -121,7 +133,7 @@ def main():
     uniform = args.model == "qwen3" and args.layers > 1 and per_call
     per_layer = f"; {calls[per_call] - calls[0]} per layer" if uniform else ""
     print(f"{len(launches)} kernel launches per decode step of {args.model} at {args.layers} layers, "
-          f"batch {args.batch}, tp {args.tp} "
+          f"batch {args.batch}, tp {args.tp}, {args.quant} "
           f"({len(calls)} custom calls){per_layer}; lowered in {lower_s:.1f} s, compiled in {compile_s:.1f} s")
 
 
