@@ -510,11 +510,17 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret, scale=1.0, l2norm=False):
 
 def _intra_inputs(q, k, v, g, beta, *, interpret):
   """Chunk-layout inputs (as `_intra`, but q / k may have fewer heads than v; v bf16 or f32) ->
-  the operands of `_intra_call`: bf16 q / k, v as given, the chunk-local cumsum of g
-  (`chunk_cumsum` where HV*K fills its 128-column groups, XLA's otherwise), beta head-major."""
+  the operands of `_intra_call`: bf16 q / k, v as given, then `_chunk_decays`."""
+  return (q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v) + _chunk_decays(g, beta, interpret=interpret)
+
+
+def _chunk_decays(g, beta, *, interpret):
+  """g [NC,C,HV,K], beta [NC,C,HV] f32 -> the chunk-local cumsum of g (`chunk_cumsum` where
+  HV*K fills its 128-column groups, XLA's otherwise) and beta head-major [NC,HV,C]: all the
+  prefill computes before the intra-chunk kernel."""
   gam = (chunk_cumsum(g, interpret=interpret) if cumsum_kernel_supported(g)
          else jnp.cumsum(g, axis=1))
-  return q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v, gam, jnp.swapaxes(beta, 1, 2)
+  return gam, jnp.swapaxes(beta, 1, 2)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "every", "num_ckpt", "vt", "interpret"))
