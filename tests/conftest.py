@@ -20,7 +20,15 @@ if _ROOT not in sys.path:
     sys.path.append(_ROOT)
 
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# Single-device CPU computations run inline in the calling thread. The Mosaic GPU interpreter
+# (interpret-mode kernel tests) evaluates jnp expressions inside its io_callbacks; with
+# asynchronous dispatch such a nested computation can queue behind the computation that is
+# waiting for the callback, and the test process hangs (seen once in a full suite run: a
+# callback of the grouped MoE kernel blocked in `wait_smem_to_gmem`).
+jax.config.update("jax_cpu_enable_async_dispatch", False)     # before the CPU client exists
 
 
 @pytest.fixture(scope="session")
