@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import tempfile
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +32,8 @@ from kk_jax.engine.request import SamplingParams
 from kk_jax.engine.runner import DecodeRow, ModelRunner, PrefillRow
 from kk_jax.models.qwen3 import Qwen3ForCausalLM
 from kk_jax.parallel.mesh import make_mesh
+
+from weightless import BLOCKS, model_dir
 
 HBM_BYTES_PER_S = 4.2e12
 
@@ -75,12 +75,8 @@ def bench(cfg, backend, batches, context, steps, iters, page_size, tp, trace_dir
                         page_size=page_size, num_pages=max_b * pages_per_seq + prefill_pages + 1, tp=tp,
                         decode_steps=steps, kernel_backend=backend, dense_decode_backend=dense,
                         fp8_activations=fp8_activations)
-    with tempfile.TemporaryDirectory() as tmp:      # the quantization config is read at construction
-        model_dir = None
-        if quant != "bf16":
-            from weightless import quantized_dir
-            model_dir = quantized_dir(Path(tmp), quant, exclude=("lm_head",))
-        runner = ModelRunner(Qwen3ForCausalLM, cfg, model_dir, jnp.bfloat16, ecfg, make_mesh(tp), progress=False,
+    with model_dir(quant) as ckpt:
+        runner = ModelRunner(Qwen3ForCausalLM, cfg, ckpt, jnp.bfloat16, ecfg, make_mesh(tp), progress=False,
                              random_weights_seed=0)
     greedy = SamplingParams(max_tokens=steps, temperature=0.0)
     label = quant + ("-w8a8" if fp8_activations else "")
@@ -151,7 +147,7 @@ def main():
     ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     ap.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke run)")
     ap.add_argument("--trace", default=None, help="write a jax.profiler trace of one call at the largest batch")
-    ap.add_argument("--quant", default="bf16", choices=("bf16", "fp8_block", "mxfp8", "nvfp4"),
+    ap.add_argument("--quant", default="bf16", choices=("bf16", *BLOCKS),
                     help="linear layers (all but the lm_head) quantized in this format")
     ap.add_argument("--fp8-activations", action="store_true", help="block FP8 as W8A8 (--quant fp8_block)")
     ap.add_argument("--prefill-tokens", type=int, default=0, help="also time one prompt of this many tokens")

@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-import tempfile
 import time
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +36,7 @@ from kk_jax.engine.runner import ModelRunner
 from kk_jax.models.qwen3 import Qwen3ForCausalLM
 
 from bench_decode import QWEN3_8B
+from weightless import BLOCKS, model_dir
 
 # The H200 as XLA's GPU compiler sees it (a GpuTargetConfigProto): SM count, shared memory,
 # register file, clock, HBM bandwidth and size, compute capability 9.0.
@@ -86,12 +85,8 @@ def decode_program(layers: int, batch: int, tp: int = 1, steps: int = 8, context
     ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=batch, max_num_batched_tokens=page_size,
                         page_size=page_size, num_pages=batch * pages + 1, decode_steps=steps, kernel_backend="pallas",
                         tp=tp, scan_layers=False)       # unrolled: one flat loop body to count
-    with tempfile.TemporaryDirectory() as tmp:      # the quantization config is read at construction
-        model_dir = None
-        if quant != "bf16":
-            from weightless import quantized_dir
-            model_dir = quantized_dir(Path(tmp), quant, exclude=("lm_head",))
-        runner = ModelRunner(model_cls, cfg, model_dir, jnp.bfloat16, ecfg, h200_mesh(tp), progress=False,
+    with model_dir(quant) as ckpt:
+        runner = ModelRunner(model_cls, cfg, ckpt, jnp.bfloat16, ecfg, h200_mesh(tp), progress=False,
                              compile_only=True)
     t0 = time.perf_counter()
     lowered = runner._lower("decode", batch)
@@ -114,7 +109,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--model", choices=("qwen3", "glm5"), default="qwen3")
-    ap.add_argument("--quant", default="bf16", choices=("bf16", "fp8_block", "mxfp8", "nvfp4"),
+    ap.add_argument("--quant", default="bf16", choices=("bf16", *BLOCKS),
                     help="Qwen3's linear layers (all but the lm_head) quantized in this format")
     ap.add_argument("--hlo", default=None, help="also write the compiled program's HLO text here")
     args = ap.parse_args()

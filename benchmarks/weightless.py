@@ -4,7 +4,9 @@ codes and scales of the real dtypes and shapes) exactly as a quantized checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import json
+import tempfile
 from pathlib import Path
 
 # the block each format's scales cover (rows, columns), as the checkpoint formats declare them
@@ -22,3 +24,15 @@ def quantized_dir(directory: Path, fmt: str, exclude: tuple[str, ...] = ()) -> P
     if hf_quant is not None:
         (directory / "hf_quant_config.json").write_text(json.dumps(hf_quant))
     return directory
+
+
+@contextlib.contextmanager
+def model_dir(fmt: str):
+    """A temporary :func:`quantized_dir` quantizing every linear but the lm_head in ``fmt``, or
+    None for "bf16" (a random-weight model without a checkpoint). The directory only needs to
+    live while the ``ModelRunner`` is built (it reads the quantization config then)."""
+    if fmt == "bf16":
+        yield None
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        yield quantized_dir(Path(tmp), fmt, exclude=("lm_head",))

@@ -148,13 +148,17 @@ def l2norm(x):
   return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
+def qk_scale(scale, kd: int) -> float:
+  """The scale applied to q: `scale`, or 1/sqrt(K) when None (fla's default)."""
+  return 1.0 / math.sqrt(kd) if scale is None else float(scale)
+
+
 def prepare_qk(q, k, *, scale, use_qk_l2norm, hv):
   """fp32 q*scale and k (optionally l2-normalised), heads repeated up to HV (GVA).
 
   q, k [..., H, K] -> [..., HV, K] fp32; value head j reads q/k head j // (HV // H).
   """
-  kd = q.shape[-1]
-  scale = 1.0 / math.sqrt(kd) if scale is None else float(scale)
+  scale = qk_scale(scale, q.shape[-1])
   q = q.astype(jnp.float32)
   k = k.astype(jnp.float32)
   if use_qk_l2norm:

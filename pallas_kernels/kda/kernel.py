@@ -52,7 +52,6 @@ than about -5.6 per token can lose accuracy there (use backend="xla" for such ga
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +61,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import interpret_kwargs
 
-from ._common import L2NORM_EPS, KDACheckpoints, prepare_qk
+from ._common import L2NORM_EPS, KDACheckpoints, prepare_qk, qk_scale
 from .chunk_cumsum import chunk_cumsum, kernel_supported as cumsum_kernel_supported
 from .reference import CHUNK, _chunk_table
 
@@ -674,7 +673,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
   in_kernel = intra == "pallas" and q.dtype == k.dtype == jnp.bfloat16
   if in_kernel:
     qf, kf = q, k
-    qk_prep = dict(scale=1.0 / math.sqrt(kd) if scale is None else float(scale), l2norm=use_qk_l2norm)
+    qk_prep = dict(scale=qk_scale(scale, kd), l2norm=use_qk_l2norm)
   else:
     qf, kf = prepare_qk(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm, hv=hv)
     qk_prep = {}

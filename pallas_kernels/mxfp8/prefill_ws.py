@@ -18,8 +18,9 @@ With a pipeline of three or more stages, an MXFP8 step (two or more ``wgmma`` gr
 for all but its last group, which keeps the tensor cores busy while the next tile is dequantized
 (its pipeline slots are released one step late): +5-10 % at M = 2048 / 8192 on 4096-12288-row
 weights and +1-7 % on the smaller grids this form takes (2560x1280 at M = 2048, 4096x4096 at
-M = 1024), results bit-identical over six inputs each (H200, RESULTS.md parts 14 and 15). Block FP8 keeps the full wait: its step is one group, and
-deferring that wait returned inf on the H200; its 2-stage pipeline would also lose a stage.
+M = 1024), results bit-identical over six inputs each (H200, RESULTS.md parts 14 and 15).
+Block FP8 keeps the full wait: its step is one group, and deferring that wait returned inf on
+the H200; its 2-stage pipeline would also lose a stage.
 
 GPU only: Mosaic GPU's interpreter models neither warp-specialized pipelines nor register
 operands, so interpret mode keeps ``wdequant``'s one-warpgroup form (same numerics).
