@@ -373,7 +373,7 @@ def bench_decode(results, fla, budget):
 
 
 def decode_kernel_us(loop_j, pool, args, steps, calls=3):
-  """Mean GPU µs of the decode kernel alone (the Mosaic GPU `kda_step` launches in a profiler
+  """Mean GPU µs of the decode kernel alone (the Mosaic GPU `kda_stream` launches in a profiler
   trace of `calls` runs of the `steps`-step loop), without the XLA input preparation and the loop
   around it; (None, pool) without a GPU. Returns the donated pool's successor."""
   if jax.default_backend() != "gpu":
@@ -386,7 +386,7 @@ def decode_kernel_us(loop_j, pool, args, steps, calls=3):
       for _ in range(calls):
         pool = loop_j(pool, *args)
       jax.block_until_ready(pool)
-    rows = [r for dev in summarize(d, top=1000) for r in dev["top"] if "kda_step" in r[0]]
+    rows = [r for dev in summarize(d, top=1000) for r in dev["top"] if "kda_stream" in r[0]]
   count = sum(r[1] for r in rows)
   return (sum(r[2] for r in rows) / count if count else None), pool
 
@@ -430,6 +430,7 @@ def main():
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--tiny", action="store_true", help="CPU smoke test (interpret mode)")
   ap.add_argument("--no-decode", action="store_true")
+  ap.add_argument("--no-prefill", action="store_true")
   ap.add_argument("--no-tokamax", action="store_true")
   ap.add_argument("--check-cases", default=None,
                   help="comma-separated case-name prefixes, e.g. 'prefill varlen,prefill B=1 T=8192'")
@@ -457,7 +458,8 @@ def main():
   shapes = None
   if args.prefill_shapes:
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.prefill_shapes.split(",")]
-  bench_prefill(results, fla, args.budget_s, args.quick, shapes, tokamax=not args.no_tokamax)
+  if not args.no_prefill:
+    bench_prefill(results, fla, args.budget_s, args.quick, shapes, tokamax=not args.no_tokamax)
   if args.scope_profile:
     scope_profile(*(int(x) for x in args.scope_profile.split("x")))
   table(results)

@@ -4,14 +4,15 @@ Public entry points (wrapped by `pallas_kernels.kda`): `kda_decode_pallas`,
 `kda_verify_pallas`, `chunk_kda_pallas`. All are Mosaic GPU (`plgpu.kernel`, TMA, `wgmma`);
 no Triton lowering is used. `interpret=True` runs them in Mosaic GPU interpret mode on CPU.
 
-Decode / verify (`_step_call`): grid (V tiles, HV, N), one warpgroup per CTA (V tiles of 32
-columns for small batches, 64 otherwise: `_step_v_tile`). The CTA TMA-
-loads its fp32 state tile S [K, Vt] from `state_pool[slots[n], h]` into SMEM, runs the Ts
-tokens with S in registers (WGMMA register layout; row broadcasts of g/k/q, column
-broadcasts of v', reductions over K), and TMA-stores S back into the same slot (decode: the
-pool is a `jax.new_ref` aliased to the output, so the update is in place when the caller
-donates the pool) or after every token into `states` (verify). State traffic is exactly one
-read and one write of the state per call (decode) -- the roofline for this op.
+Decode and verify update fp32 state tiles S [K, Vt] of `state_pool[slots[n], h]` with one
+warpgroup, S in registers (WGMMA register layout; row broadcasts of g/k/q, column broadcasts
+of v', reductions over K). Decode (`_decode_stream`) is persistent: each resident CTA streams
+its round-robin share of the (row, head, V tile) tiles through a ring of SMEM slots (TMA loads
+ahead, TMA stores back into the same slot: the pool is a `jax.new_ref` aliased to the output,
+so the update is in place when the caller donates the pool). State traffic is exactly one read
+and one write of the state per call -- the roofline for this op. Verify (`_verify_call`): one
+CTA per (V tile, head, row) runs the Ts tokens and TMA-stores S after every token into
+`states` (V tiles of 32 columns for small batches, 64 otherwise: `_step_v_tile`).
 
 Chunked prefill (`chunk_kda_pallas`), fla's stage split with stages 3 and 4 fused:
   0.   Input prep: for varlen the gather into sequence-aligned 64-token chunks; the
@@ -100,11 +101,11 @@ def _scan_v_tile(n, hv, vd):
   return 32 if n * hv * (vd // 64) < _NARROW_SCAN_CTAS else min(64, vd)
 
 
-_NARROW_STEP_ROWS = 1024   # decode / verify: rows x heads up to which V tiles are 32 wide
+_NARROW_STEP_ROWS = 1024   # verify: rows x heads up to which V tiles are 32 wide
 
 
 def _step_v_tile(n, hv, vd):
-  """V tile of the decode / verify grid. A small batch has too few (row, head) state tiles to
+  """V tile of the verify grid (measured as decode's grid before the persistent form). A small batch has too few (row, head) state tiles to
   spread over the SMs, so its tiles are 32 columns wide (twice the CTAs; N = 1, HV = 32 on the
   H200: 17 instead of 35 µs per step); from `_NARROW_STEP_ROWS` rows x heads on, 64 (N = 256:
   338 instead of 373 µs)."""
@@ -114,24 +115,20 @@ def _step_v_tile(n, hv, vd):
 # ------------------------------------------------------------------ decode / verify
 
 
-def _step_call(q, k, v, g, beta, pool, slots, reset, *, write_states, interpret):
-  """Ts tokens per row from pool slots.
+def _verify_call(q, k, v, g, beta, pool, slots, reset, *, interpret):
+  """Ts tokens per row from pool slots, one CTA per (V tile, head, row).
 
   q, k, g [N,Ts,HV,K] f32 (q pre-scaled / normalised); v [N,Ts,HV,V] f32; beta [N,Ts,HV]
   f32; pool [S,HV,K,V] f32; slots, reset [N] int32.
-  write_states=False (decode, Ts == 1): returns (o [N,Ts,HV,V] f32, new pool) with the pool
-  updated in place. write_states=True (verify): returns (o, states [N,Ts,HV,K,V]) and
-  leaves the pool untouched.
+  Returns (o [N,Ts,HV,V] f32, states [N,Ts,HV,K,V] f32); the pool is left untouched.
   """
   n, ts, hv, kd = q.shape
   vd = v.shape[-1]
   vt = _step_v_tile(n, hv, vd)
   f32 = jnp.float32
 
-  def kda_step(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, pool_ref, *outs,
-               s_smem, q_smem, k_smem, g_smem, v_smem, bar):
-    o_ref = outs[0]
-    st_ref = outs[1] if write_states else None
+  def kda_step(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, pool_ref, o_ref, st_ref,
+               *, s_smem, q_smem, k_smem, g_smem, v_smem, bar):
     j = lax.axis_index("vt")
     h = lax.axis_index("h")
     r = lax.axis_index("n")
@@ -158,22 +155,16 @@ def _step_call(q, k, v, g, beta, pool, slots, reset, *, write_states, interpret)
       s = s + kb * lax.broadcast_in_dim(vn, (kd, vt), [1])
       o = jnp.sum(s * lax.broadcast_in_dim(qv, (kd, vt), [0]), axis=0)
       v_smem[t] = o                                                 # reuse v's row for o
-      if write_states:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)             # s_smem free again
-        s_smem[...] = s
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(s_smem, st_ref.at[r, t, h, :, cols])
-    if not write_states:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)               # s_smem free again
       s_smem[...] = s
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(s_smem, st_ref.at[r, t, h, :, cols])
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(v_smem, o_ref.at[r, :, h, cols])
-    if not write_states:
-      plgpu.copy_smem_to_gmem(s_smem, pool_ref.at[slot, h, :, cols])
     plgpu.wait_smem_to_gmem(0)
 
-  out_type = [jax.ShapeDtypeStruct((n, ts, hv, vd), f32)]
-  if write_states:
-    out_type.append(jax.ShapeDtypeStruct((n, ts, hv, kd, vd), f32))
+  out_type = (jax.ShapeDtypeStruct((n, ts, hv, vd), f32),
+              jax.ShapeDtypeStruct((n, ts, hv, kd, vd), f32))
   scratch = {
       "s_smem": plgpu.SMEM((kd, vt), f32, transforms=_swizzled(f32, vt)),
       "q_smem": plgpu.SMEM((ts, kd), f32),
@@ -183,15 +174,115 @@ def _step_call(q, k, v, g, beta, pool, slots, reset, *, write_states, interpret)
       "bar": plgpu.Barrier(num_arrivals=5, num_barriers=1),
   }
   call = plgpu.kernel(
-      kda_step, out_type=tuple(out_type), scratch_types=scratch,
+      kda_step, out_type=out_type, scratch_types=scratch,
       grid=(vd // vt, hv, n), grid_names=("vt", "h", "n"),
       compiler_params=plgpu.CompilerParams(approx_math=False),
       **interpret_kwargs(interpret))
-  if write_states:
-    o, states = call(q, k, v, g, beta, slots, reset, pool)
-    return o, states
+  return call(q, k, v, g, beta, slots, reset, pool)
+
+
+NUM_SMS = 132              # H200
+# Decode's persistent form: V tile, ring slots per CTA, CTAs resident per SM (3 x 4 x 16 KiB
+# of fp32 [128, 32] state tiles). H200, HV = 32, K = V = 128, kernel time in one process, bit-
+# identical outputs: N = 64 76.4 µs (one CTA per tile: 81.4), N = 256 289.5 µs (298.0), N = 1
+# 2.95 µs (2.88); the best of 8 (V tile, slots, CTAs per SM) configurations at N = 256 (64, 3, 2)
+# was 1 % faster, at N = 64 5 % slower.
+_STREAM_VT, _STREAM_STAGES, _STREAM_CTAS_PER_SM = 32, 4, 3
+
+
+def _decode_stream(q, k, v, g, beta, pool, slots, reset, *, interpret, vt=None, stages=None,
+                   ctas_per_sm=None):
+  """One decode token per row, persistent form: the (row, head, V tile) state tiles are dealt
+  round-robin to at most `NUM_SMS * ctas_per_sm` resident CTAs, and each CTA streams its
+  share through a ring of `stages` SMEM slots (TMA loads of the next tiles and the TMA stores
+  of the previous ones run under the current tile's update). A grid of one CTA per tile
+  loads, updates and stores each tile in turn and stays below HBM speed even with no math.
+
+  q, k, g [N,1,HV,K] f32 (q pre-scaled / normalised); v [N,1,HV,V] f32; beta [N,1,HV] f32;
+  pool [S,HV,K,V] f32 (updated in place); slots, reset [N] int32.
+  Returns (o [N,1,HV,V] f32, new pool).
+  """
+  n, _, hv, kd = q.shape
+  vd = v.shape[-1]
+  vt = min(vt or _STREAM_VT, vd)
+  stages = stages or _STREAM_STAGES
+  nj = vd // vt
+  items = n * hv * nj
+  ctas = min(items, NUM_SMS * (ctas_per_sm or _STREAM_CTAS_PER_SM))
+  f32 = jnp.float32
+
+  def kda_stream(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, pool_ref, o_ref, *,
+                 s_smem, q_smem, k_smem, g_smem, v_smem, bar):
+    c = lax.axis_index("c")
+    mine = lax.div(items - c + ctas - 1, ctas)       # items c, c + ctas, c + 2 ctas, ...
+
+    def where(i):
+      it = c + i * ctas
+      rest = lax.div(it, nj)
+      return lax.div(rest, hv), lax.rem(rest, hv), pl.ds(lax.rem(it, nj) * vt, vt)
+
+    def issue(i, sx):
+      r, h, cols = where(i)
+      b = bar.at[sx]
+      plgpu.copy_gmem_to_smem(pool_ref.at[slot_ref[r], h, :, cols], s_smem.at[sx], b)
+      plgpu.copy_gmem_to_smem(q_ref.at[r, :, h, :], q_smem.at[sx], b)
+      plgpu.copy_gmem_to_smem(k_ref.at[r, :, h, :], k_smem.at[sx], b)
+      plgpu.copy_gmem_to_smem(g_ref.at[r, :, h, :], g_smem.at[sx], b)
+      plgpu.copy_gmem_to_smem(v_ref.at[r, :, h, cols], v_smem.at[sx], b)
+
+    for p in range(stages):
+      @pl.when(p < mine)
+      def _():
+        issue(p, p)
+
+    def step(i, carry):
+      # Refill the slot of item i - 1 (its stores were issued last step) before waiting on
+      # item i. (Issuing the refill after item i's stores, waiting for all but those, hung
+      # on the H200; refilling the slot of item i - 2 instead, with item i - 1's stores left
+      # in flight, measured no faster.)
+      @pl.when((i >= 1) & (i - 1 + stages < mine))
+      def _():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        issue(i - 1 + stages, lax.rem(i - 1, stages))
+      sx = lax.rem(i, stages)
+      r, h, cols = where(i)
+      plgpu.barrier_wait(bar.at[sx])
+      s = plgpu.load(s_smem.at[sx], layout=_L.WGMMA)                 # [K, Vt] f32
+      s = jnp.where(jnp.broadcast_to(reset_ref[r] != 0, (kd, vt)), jnp.zeros_like(s), s)
+      gv = plgpu.load(g_smem.at[sx, 0], layout=_L.WGMMA.reduce(1))    # [K]
+      kv = plgpu.load(k_smem.at[sx, 0], layout=_L.WGMMA.reduce(1))
+      qv = plgpu.load(q_smem.at[sx, 0], layout=_L.WGMMA.reduce(1))
+      vv = plgpu.load(v_smem.at[sx, 0], layout=_L.WGMMA.reduce(0))    # [Vt]
+      kb = lax.broadcast_in_dim(kv, (kd, vt), [0])
+      s = s * lax.broadcast_in_dim(jnp.exp(gv), (kd, vt), [0])
+      ks = jnp.sum(s * kb, axis=0)                                   # k^T S  [Vt]
+      vn = jnp.broadcast_to(b_ref[r, 0, h], (vt,)) * (vv - ks)
+      s = s + kb * lax.broadcast_in_dim(vn, (kd, vt), [1])
+      v_smem[sx, 0] = jnp.sum(s * lax.broadcast_in_dim(qv, (kd, vt), [0]), axis=0)   # o
+      s_smem[sx] = s
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(s_smem.at[sx], pool_ref.at[slot_ref[r], h, :, cols])
+      plgpu.copy_smem_to_gmem(v_smem.at[sx], o_ref.at[r, :, h, cols])
+      return carry
+
+    lax.fori_loop(0, mine, step, 0)
+    plgpu.wait_smem_to_gmem(0)
+
+  scratch = {
+      "s_smem": plgpu.SMEM((stages, kd, vt), f32, transforms=_swizzled(f32, vt)),
+      "q_smem": plgpu.SMEM((stages, 1, kd), f32),
+      "k_smem": plgpu.SMEM((stages, 1, kd), f32),
+      "g_smem": plgpu.SMEM((stages, 1, kd), f32),
+      "v_smem": plgpu.SMEM((stages, 1, vt), f32),
+      "bar": plgpu.Barrier(num_arrivals=5, num_barriers=stages),
+  }
+  call = plgpu.kernel(
+      kda_stream, out_type=jax.ShapeDtypeStruct((n, 1, hv, vd), f32), scratch_types=scratch,
+      grid=(ctas,), grid_names=("c",),
+      compiler_params=plgpu.CompilerParams(approx_math=False),
+      **interpret_kwargs(interpret))
   pool_ref = jax.new_ref(pool)
-  (o,) = call(q, k, v, g, beta, slots, reset, pool_ref)
+  o = call(q, k, v, g, beta, slots, reset, pool_ref)
   return o, pool_ref[...]
 
 
@@ -210,8 +301,8 @@ def kda_decode_pallas(q, k, v, g, beta, state_pool, slots, *, scale=None,
   check_kernel_dims(q.shape[-1], v.shape[-1])
   qf, kf, vf, gf, bf, sl, rs = _prep_step(q, k, v, g, beta, slots, reset, scale=scale,
                                           use_qk_l2norm=use_qk_l2norm)
-  o, pool = _step_call(qf[:, None], kf[:, None], vf[:, None], gf[:, None], bf[:, None],
-                       state_pool, sl, rs, write_states=False, interpret=interpret)
+  o, pool = _decode_stream(qf[:, None], kf[:, None], vf[:, None], gf[:, None], bf[:, None],
+                           state_pool, sl, rs, interpret=interpret)
   return o[:, 0].astype(v.dtype), pool
 
 
@@ -221,8 +312,7 @@ def kda_verify_pallas(q, k, v, g, beta, state_pool, slots, *, scale=None,
   check_kernel_dims(q.shape[-1], v.shape[-1])
   qf, kf, vf, gf, bf, sl, rs = _prep_step(q, k, v, g, beta, slots, reset, scale=scale,
                                           use_qk_l2norm=use_qk_l2norm)
-  o, states = _step_call(qf, kf, vf, gf, bf, state_pool, sl, rs, write_states=True,
-                         interpret=interpret)
+  o, states = _verify_call(qf, kf, vf, gf, bf, state_pool, sl, rs, interpret=interpret)
   return o.astype(v.dtype), states
 
 

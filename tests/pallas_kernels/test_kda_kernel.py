@@ -104,14 +104,22 @@ def test_chunk_kernel_scan_tile_widths_agree(monkeypatch):
 # -------------------------------------------------------------------------- decode
 
 
-@pytest.mark.parametrize("kd,dtype,wide", [(64, jnp.bfloat16, False), (128, jnp.float32, False),
-                                            (128, jnp.bfloat16, True)])
-def test_decode_kernel_matches_oracle_and_isolates_slots(kd, dtype, wide, monkeypatch):
+@pytest.mark.parametrize("kd,dtype,wide,ctas", [(64, jnp.bfloat16, False, None),
+                                                 (128, jnp.float32, False, None),
+                                                 (128, jnp.bfloat16, True, None),
+                                                 (64, jnp.float32, False, 3),
+                                                 (128, jnp.float32, True, 3)])
+def test_decode_kernel_matches_oracle_and_isolates_slots(kd, dtype, wide, ctas, monkeypatch):
   """Rows 0 and 3 pad onto dummy slot 0, row 2 resets reused slot 1. Slots no real row names
-  (2, 3, 5) must be bit-identical afterwards; real rows match the fp32 oracle. wide: the
-  64-column V tiles of large batches (forced here) instead of the 32-column ones."""
+  (2, 3, 5) must be bit-identical afterwards; real rows match the fp32 oracle. wide: 64-column
+  V tiles instead of the default 32-column ones. ctas: the 16 state tiles dealt to 3
+  persistent CTAs (6, 5, 5 tiles each: uneven shares, more tiles than ring slots) instead of
+  one CTA per tile."""
   if wide:
-    monkeypatch.setattr(kernel, "_NARROW_STEP_ROWS", 0)
+    monkeypatch.setattr(kernel, "_STREAM_VT", 64)
+  if ctas:
+    monkeypatch.setattr(kernel, "NUM_SMS", 1)
+    monkeypatch.setattr(kernel, "_STREAM_CTAS_PER_SM", ctas)
   n = 4
   q, k, v, g, beta = make_inputs(lead=(n,), h=1, hv=2, kd=kd, vd=kd, seed=kd, dtype=dtype)
   pool = rand_state(6, 2, kd, kd)
@@ -218,6 +226,7 @@ def test_gpu_compiled_prefill_matches_reference(kd):
 def test_gpu_compiled_decode_verify_match_reference(wide, monkeypatch):
   if wide:
     monkeypatch.setattr(kernel, "_NARROW_STEP_ROWS", 0)
+    monkeypatch.setattr(kernel, "_STREAM_VT", 64)
   n, hv, kd = 64, 8, 128
   q, k, v, g, beta = make_inputs(lead=(n,), h=hv, kd=kd, vd=kd, seed=1)
   pool = rand_state(n + 1, hv, kd, kd)
