@@ -60,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import interpret_kwargs
+from pallas_kernels.common import interpret_kwargs, num_sms
 
 from ._common import L2NORM_EPS, KDACheckpoints, prepare_qk, qk_scale
 from .chunk_cumsum import chunk_cumsum, kernel_supported as cumsum_kernel_supported
@@ -105,10 +105,10 @@ _NARROW_STEP_ROWS = 1024   # verify: rows x heads up to which V tiles are 32 wid
 
 
 def _step_v_tile(n, hv, vd):
-  """V tile of the verify grid (measured as decode's grid before the persistent form). A small batch has too few (row, head) state tiles to
-  spread over the SMs, so its tiles are 32 columns wide (twice the CTAs; N = 1, HV = 32 on the
-  H200: 17 instead of 35 µs per step); from `_NARROW_STEP_ROWS` rows x heads on, 64 (N = 256:
-  338 instead of 373 µs)."""
+  """V tile of the verify grid (measured when decode used the same grid). A small batch has too
+  few (row, head) state tiles to spread over the SMs, so its tiles are 32 columns wide (twice
+  the CTAs; N = 1, HV = 32 on the H200: 17 instead of 35 µs per step); from
+  `_NARROW_STEP_ROWS` rows x heads on, 64 (N = 256: 338 instead of 373 µs)."""
   return min(32 if n * hv <= _NARROW_STEP_ROWS else 64, vd)
 
 
@@ -181,7 +181,6 @@ def _verify_call(q, k, v, g, beta, pool, slots, reset, *, interpret):
   return call(q, k, v, g, beta, slots, reset, pool)
 
 
-NUM_SMS = 132              # H200
 # Decode's persistent form: V tile, ring slots per CTA, CTAs resident per SM (3 x 4 x 16 KiB
 # of fp32 [128, 32] state tiles). H200, HV = 32, K = V = 128, kernel time in one process, bit-
 # identical outputs: N = 64 76.4 µs (one CTA per tile: 81.4), N = 256 289.5 µs (298.0), N = 1
@@ -193,7 +192,7 @@ _STREAM_VT, _STREAM_STAGES, _STREAM_CTAS_PER_SM = 32, 4, 3
 def _decode_stream(q, k, v, g, beta, pool, slots, reset, *, interpret, vt=None, stages=None,
                    ctas_per_sm=None):
   """One decode token per row, persistent form: the (row, head, V tile) state tiles are dealt
-  round-robin to at most `NUM_SMS * ctas_per_sm` resident CTAs, and each CTA streams its
+  round-robin to at most `num_sms() * ctas_per_sm` resident CTAs, and each CTA streams its
   share through a ring of `stages` SMEM slots (TMA loads of the next tiles and the TMA stores
   of the previous ones run under the current tile's update). A grid of one CTA per tile
   loads, updates and stores each tile in turn and stays below HBM speed even with no math.
@@ -208,7 +207,7 @@ def _decode_stream(q, k, v, g, beta, pool, slots, reset, *, interpret, vt=None, 
   stages = stages or _STREAM_STAGES
   nj = vd // vt
   items = n * hv * nj
-  ctas = min(items, NUM_SMS * (ctas_per_sm or _STREAM_CTAS_PER_SM))
+  ctas = min(items, num_sms() * (ctas_per_sm or _STREAM_CTAS_PER_SM))
   f32 = jnp.float32
 
   def kda_stream(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, pool_ref, o_ref, *,

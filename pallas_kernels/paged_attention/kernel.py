@@ -45,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import interpret_kwargs
+from pallas_kernels.common import interpret_kwargs, num_sms
 
 from .reference import validate_inputs
 
@@ -116,17 +116,6 @@ def check_kernel_support(q, k_pages):
     raise ValueError(f"q must be bf16 or f32, got {q.dtype}")
 
 
-def _num_sms() -> int:
-  """Multiprocessor count of the default GPU (132 on an H200; 132 on CPU)."""
-  try:
-    dev = jax.devices()[0]
-    if dev.platform == "gpu" and getattr(dev, "core_count", None):
-      return int(dev.core_count)
-  except RuntimeError:
-    pass
-  return 132
-
-
 def _smem_bytes(block_tokens, stages, head_dim, pool_dtype, group_p) -> int:
   """SMEM a CTA needs: `stages` K+V blocks in the pool dtype, q, P^T, reduction
   scratch, and the bf16 conversion buffers for non-bf16 pools."""
@@ -149,7 +138,7 @@ def plan(batch, num_kv_heads, max_pages, page_size, head_dim, pool_dtype,
   into floor(2 * #SMs / (batch * Hkv)) pieces (combined by log-sum-exp).
   Explicit arguments override the plan.
   """
-  sms = _num_sms()
+  sms = num_sms()
   large = batch * num_kv_heads >= sms
   # One CTA per SM with big blocks only pays for bf16 pools; converting pools
   # (fp8, f32) need the compute of two warpgroups per SM.

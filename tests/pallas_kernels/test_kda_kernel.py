@@ -118,7 +118,7 @@ def test_decode_kernel_matches_oracle_and_isolates_slots(kd, dtype, wide, ctas, 
   if wide:
     monkeypatch.setattr(kernel, "_STREAM_VT", 64)
   if ctas:
-    monkeypatch.setattr(kernel, "NUM_SMS", 1)
+    monkeypatch.setattr(kernel, "num_sms", lambda: 1)
     monkeypatch.setattr(kernel, "_STREAM_CTAS_PER_SM", ctas)
   n = 4
   q, k, v, g, beta = make_inputs(lead=(n,), h=1, hv=2, kd=kd, vd=kd, seed=kd, dtype=dtype)
