@@ -15,8 +15,9 @@ CTA per (V tile, head, row) runs the Ts tokens and TMA-stores S after every toke
 `states` (V tiles of 32 columns for small batches, 64 otherwise: `_step_v_tile`).
 
 Chunked prefill (`chunk_kda_pallas`), fla's stage split with stages 3 and 4 fused:
-  0.   Input prep: for varlen the gather into sequence-aligned 64-token chunks; the
-       chunk-local fp32 cumsum Gamma of g (`chunk_cumsum.py`, Mosaic GPU). bf16 q / k go to
+  0.   Input prep: for varlen the gather into sequence-aligned 64-token chunks; at K = 64 the
+       chunk-local fp32 cumsum Gamma of g (`chunk_cumsum.py`, Mosaic GPU; at K = 128 the
+       intra-chunk kernel takes it in shared memory, the same walk). bf16 q / k go to
        the intra-chunk kernel as they are (it l2-normalises and scales them and maps value
        heads to q/k heads); other dtypes are normalised, scaled and GVA-expanded by XLA in
        fp32 first (one fused elementwise pass, bf16 out).
@@ -64,7 +65,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.common import interpret_kwargs, num_sms
 
 from ._common import L2NORM_EPS, KDACheckpoints, prepare_qk, qk_scale
-from .chunk_cumsum import chunk_cumsum, kernel_supported as cumsum_kernel_supported
+from .chunk_cumsum import COLS as CUMSUM_COLS
+from .chunk_cumsum import ROW as CUMSUM_ROW
+from .chunk_cumsum import chunk_cumsum, cumsum_rows
+from .chunk_cumsum import kernel_supported as cumsum_kernel_supported
 from .reference import CHUNK, _chunk_table
 
 SUPPORTED_DIMS = (64, 128)
@@ -387,13 +391,14 @@ def _split(x):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "scale", "l2norm"))
-def _intra_call(qn, kn, v, gam, beta_t, *, interpret, scale=1.0, l2norm=False):
+def _intra_call(qn, kn, v, decay, beta_t, *, interpret, scale=1.0, l2norm=False):
   """Stages 1-2 on the tensor cores (Mosaic GPU), one CTA per (head, chunk).
 
   qn, kn [NC,C,H,K] bf16, H dividing HV (value head j reads q/k head j // (HV // H)); the
   CTA l2-normalises them over K when `l2norm` and scales q by `scale` (in fp32, rounded once
-  to bf16, as `prepare_qk`); v [NC,C,HV,V] bf16 or f32; gam [NC,C,HV,K] f32 chunk-local cumsum
-  of g; beta_t [NC,HV,C] f32. Returns the same operands as `_intra`. Per CTA:
+  to bf16, as `prepare_qk`); v [NC,C,HV,V] bf16 or f32; decay [NC,C,HV,K] f32, g itself where
+  the CTA takes its chunk-local cumsum G (K = 128, `_cumsum_in_kernel`), else G; beta_t
+  [NC,HV,C] f32. Returns the same operands as `_intra`. Per CTA:
     A_qk, A_kk: 2 sub-chunk reference passes, each 2 wgmmas [C,K] @ [K,C] with operands
       q exp(min(G - r_row, 85)), k exp(min(G - r_row, 85)) and k exp(min(r_a - G, 85)) (bf16),
       keeping the rows of sub-chunk a (32-row sub-chunks referenced at their middle row: half
@@ -422,7 +427,8 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret, scale=1.0, l2norm=False):
         I + P (hi | lo) -> w staging
     x4  qg staging -> keys of pass a -> A_qk staging -> N below the blocks, then P (hi | lo)
         -> (beta v)_lo
-    x5  gamma (f32) -> beta exp(G) k (hi | lo) -> u staging (f32)
+    x5  g (f32, unswizzled: the cumsum at K = 128) -> gamma (f32) -> beta exp(G) k (hi | lo)
+        -> u staging (f32)
   and v is only read once the inverse starts.
   """
   nct, c, hq, kd = qn.shape
@@ -434,6 +440,7 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret, scale=1.0, l2norm=False):
   nblk = c // blk
   ref_rows = tuple(range(_REF, c, _SUB)) + (c - 1,)
   v_own = v.dtype != bf                  # an f32 v does not fit x1
+  raw_g = _cumsum_in_kernel(kd)
 
   def kda_intra(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, qg_ref, kg_ref, u_ref, a_ref, gl_ref, *,
                 x1, x2, x3, x4, x5, v_f32, gr_s, b_s, gl_s, bar, vbar):
@@ -442,19 +449,33 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret, scale=1.0, l2norm=False):
     k_s, (m1, m2) = x2
     t2, n_s, (q1, q2) = x3
     t3, m5, (p1, p2) = x4
-    g_s, (rh_s, rl_s) = x5
+    g_s, (rh_s, rl_s), g_raw = x5
     v_s = v_f32 if v_own else x1
+    # Gamma rows used as per-column vectors (sub-chunk references, last row) live in their own
+    # buffer gr_s: g_s is swizzled, and only an unswizzled tile can be read by rows.
     with jax.named_scope("load"):
       plgpu.copy_gmem_to_smem(q_ref.at[ch, :, h // group, :], x1, bar.at[0])
       plgpu.copy_gmem_to_smem(k_ref.at[ch, :, h // group, :], k_s, bar.at[0])
-      plgpu.copy_gmem_to_smem(g_ref.at[ch, :, h, :], g_s, bar.at[0])
+      plgpu.copy_gmem_to_smem(g_ref.at[ch, :, h, :], g_raw if raw_g else g_s, bar.at[0])
       plgpu.copy_gmem_to_smem(b_ref.at[ch, h], b_s, bar.at[0])
-      # Gamma rows used as per-column vectors (sub-chunk references, last row) live in their
-      # own buffer: Mosaic GPU cannot load one SMEM ref both as a tile and as single rows.
-      for i, row in enumerate(ref_rows):
-        plgpu.copy_gmem_to_smem(g_ref.at[ch, pl.ds(row, 1), h, :], gr_s.at[pl.ds(i, 1)],
-                                bar.at[0])
+      if not raw_g:
+        for i, row in enumerate(ref_rows):
+          plgpu.copy_gmem_to_smem(g_ref.at[ch, pl.ds(row, 1), h, :], gr_s.at[pl.ds(i, 1)],
+                                  bar.at[0])
       plgpu.barrier_wait(bar.at[0])
+    if raw_g:
+      with jax.named_scope("cumsum"):
+        # Gamma in place in the unswizzled tile (one column per thread, as `chunk_cumsum`),
+        # then moved into the swizzled g_s that the WGMMA-layout loads below read without
+        # bank conflicts; the two alias, so every thread reads before any writes
+        cumsum_rows(g_raw)
+        for i, row in enumerate(ref_rows):        # each thread reads the column it wrote
+          gr_s[i] = plgpu.load(g_raw.at[row], (), layout=CUMSUM_ROW)
+        plgpu.commit_smem()
+        gam = plgpu.load(g_raw, layout=_L.WGMMA, optimized=False)
+        plgpu.commit_smem()
+        g_s[...] = gam
+        plgpu.commit_smem()
 
     def split3(x_hi, x_lo, y_hi, y_lo, n_out):
       """The 3-pass product hi*hi + hi*lo + lo*hi as one `_mm` group."""
@@ -619,12 +640,12 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret, scale=1.0, l2norm=False):
       "x3": plgpu.RefUnion(bf_k(), plgpu.SMEM((c, c), f32), (bf_c(), bf_c())),
       "x4": plgpu.RefUnion(bf_k(), bf_c(), (bf_c(), bf_c())),
       "x5": plgpu.RefUnion(plgpu.SMEM((c, kd), f32, transforms=_swizzled(f32, kd)),
-                           (bf_k(), bf_k())),
+                           (bf_k(), bf_k()), plgpu.SMEM((c, kd), f32)),
       "v_f32": (plgpu.SMEM((c, vd), f32, transforms=_swizzled(f32, vd)) if v_own else None),
       "gr_s": plgpu.SMEM((8, kd), f32),
       "b_s": plgpu.SMEM((c,), f32),
       "gl_s": plgpu.SMEM((kd,), f32),
-      "bar": plgpu.Barrier(num_arrivals=4 + len(ref_rows), num_barriers=1),
+      "bar": plgpu.Barrier(num_arrivals=4 + (0 if raw_g else len(ref_rows)), num_barriers=1),
       "vbar": plgpu.Barrier(num_arrivals=1, num_barriers=1),
   }
   out_type = (jax.ShapeDtypeStruct((nct, hv, c, kd), bf),     # w
@@ -638,7 +659,7 @@ def _intra_call(qn, kn, v, gam, beta_t, *, interpret, scale=1.0, l2norm=False):
       grid=(hv, nct), grid_names=("h", "c"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **interpret_kwargs(interpret))
-  return call(qn, kn, v, gam, beta_t)
+  return call(qn, kn, v, decay, beta_t)
 
 
 def _intra_inputs(q, k, v, g, beta, *, interpret):
@@ -647,12 +668,23 @@ def _intra_inputs(q, k, v, g, beta, *, interpret):
   return (q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v) + _chunk_decays(g, beta, interpret=interpret)
 
 
+def _cumsum_in_kernel(kd):
+  """Whether the intra-chunk kernel takes the chunk-local cumsum of g itself: at K = 128, one
+  column per thread of its warpgroup (saves `chunk_cumsum`'s pass over g)."""
+  return kd == CUMSUM_COLS
+
+
 def _chunk_decays(g, beta, *, interpret):
-  """g [NC,C,HV,K], beta [NC,C,HV] f32 -> the chunk-local cumsum of g (`chunk_cumsum` where
-  HV*K fills its 128-column groups, XLA's otherwise) and beta head-major [NC,HV,C]: all the
-  prefill computes before the intra-chunk kernel."""
-  gam = (chunk_cumsum(g, interpret=interpret) if cumsum_kernel_supported(g)
-         else jnp.cumsum(g, axis=1))
+  """g [NC,C,HV,K], beta [NC,C,HV] f32 -> the intra-chunk kernel's decay input and beta
+  head-major [NC,HV,C]: all the prefill computes before that kernel. The decay input is g
+  itself where the kernel takes the cumsum (`_cumsum_in_kernel`), else the chunk-local cumsum
+  (`chunk_cumsum` where HV*K fills its 128-column groups, XLA's otherwise)."""
+  if _cumsum_in_kernel(g.shape[-1]):
+    gam = g
+  elif cumsum_kernel_supported(g):
+    gam = chunk_cumsum(g, interpret=interpret)
+  else:
+    gam = jnp.cumsum(g, axis=1)
   return gam, jnp.swapaxes(beta, 1, 2)
 
 

@@ -20,11 +20,6 @@ from pallas_kernels.kda.oracle import kda_oracle, kda_steps_oracle
 
 PREFILL_TOL = 2e-2
 
-# The intra-chunk kernel's A products overflow in entries above the diagonal, which it discards
-# (32-token sub-chunks referenced at their middle: two factors up to exp(80) meet there); the
-# interpreter's NumPy matmul reports that as a warning.
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in matmul:RuntimeWarning")
-
 
 
 def _interpret():
