@@ -468,14 +468,16 @@ def _intra_call(qn, kn, v, decay, beta_t, *, interpret, scale=1.0, l2norm=False)
         # Gamma in place in the unswizzled tile (one column per thread, as `chunk_cumsum`),
         # then moved into the swizzled g_s that the WGMMA-layout loads below read without
         # bank conflicts; the two alias, so every thread reads before any writes
-        cumsum_rows(g_raw)
-        for i, row in enumerate(ref_rows):        # each thread reads the column it wrote
-          gr_s[i] = plgpu.load(g_raw.at[row], (), layout=CUMSUM_ROW)
-        plgpu.commit_smem()
-        gam = plgpu.load(g_raw, layout=_L.WGMMA, optimized=False)
-        plgpu.commit_smem()
-        g_s[...] = gam
-        plgpu.commit_smem()
+        with jax.named_scope("walk"):
+          cumsum_rows(g_raw)
+          for i, row in enumerate(ref_rows):      # each thread reads the column it wrote
+            gr_s[i] = plgpu.load(g_raw.at[row], (), layout=CUMSUM_ROW)
+          plgpu.commit_smem()
+        with jax.named_scope("swizzle"):
+          gam = plgpu.load(g_raw, layout=_L.WGMMA, optimized=False)
+          plgpu.commit_smem()
+          g_s[...] = gam
+          plgpu.commit_smem()
 
     def split3(x_hi, x_lo, y_hi, y_lo, n_out):
       """The 3-pass product hi*hi + hi*lo + lo*hi as one `_mm` group."""
