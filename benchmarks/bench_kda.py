@@ -256,8 +256,9 @@ def bench_prefill(results, fla, budget, quick, shapes=None, tokamax=True):
 
 def _stage_inputs(a):
   """The stages of our B=1 prefill (bf16 q / k, as the benchmark's inputs) as separate jitted
-  functions with their real inputs: prep (the chunk cumsum kernel and beta's transpose), the
-  Mosaic GPU intra-chunk kernel (l2norm and scale of q / k included), the scan.
+  functions with their real inputs: prep (beta's transpose, and the chunk cumsum kernel where
+  the intra-chunk kernel does not take the cumsum itself), the Mosaic GPU intra-chunk kernel
+  (l2norm and scale of q / k included), the scan.
   Returns (prep, prep's args, intra, intra's args, scan, scan's args)."""
   q, _k, _v, _g, _beta = a
   b, t, h, d = q.shape
@@ -266,14 +267,20 @@ def _stage_inputs(a):
 
   r = lambda x: x.reshape((b * t // c, c) + x.shape[2:])
 
-  def prep(g, beta):
-    """What the prefill computes before the intra-chunk kernel (q / k / v enter that kernel
-    as they are: their chunk layout is a reshape, no copy)."""
+  def decays(g, beta):
     return kk._chunk_decays(r(g.astype(f32)), r(beta.astype(f32)), interpret=TINY)
 
-  prep_j = jax.jit(prep)
+  def prep(g, beta):
+    """What the prefill computes before the intra-chunk kernel (q / k / v enter that kernel
+    as they are: their chunk layout is a reshape, no copy; so does g where the kernel takes
+    its cumsum, and returning it would time a copy)."""
+    gr = r(g.astype(f32))
+    gam, beta_t = kk._chunk_decays(gr, r(beta.astype(f32)), interpret=TINY)
+    return (beta_t,) if gam is gr else (gam, beta_t)
+
   chunked = tuple(jax.block_until_ready(r(x)) for x in a[:3])
-  ins = chunked + jax.block_until_ready(prep_j(*a[3:]))
+  ins = chunked + jax.block_until_ready(jax.jit(decays)(*a[3:]))
+  prep_j = jax.jit(prep)
   intra = jax.jit(lambda *x: kk._intra_call(*x, interpret=TINY, scale=d ** -0.5, l2norm=True))
   ops = jax.block_until_ready(intra(*ins))
   n = b
