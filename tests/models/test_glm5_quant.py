@@ -39,7 +39,7 @@ LIMITS = dict(dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched
               progress=False)
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [[int(x) for x in np.random.default_rng(1).integers(0, 1000, 21)], [5, 9, 100]]
-LOGIT_IDS = [int(x) for x in np.random.default_rng(0).integers(0, 1000, 24)]
+LOGIT_IDS = [int(x) for x in np.random.default_rng(0).integers(0, 1000, 32)]   # two whole 16-token chunks: one compiled shape
 EXPERT = "model.language_model.layers.1.mlp.experts.{e}.{proj}"
 # everything but the routed experts stays in floating point
 ONLY_ROUTED = ["*self_attn*", "*shared_experts*", "model.language_model.layers.0.mlp"]
