@@ -26,14 +26,14 @@ Chunked prefill (`chunk_kda_pallas`), fla's stage split with stages 3 and 4 fuse
        exp(r - Gamma_j), r = Gamma at the middle token of row i's sub-chunk; 2 passes of 2
        wgmmas), T = (I + A_kk)^-1 Diag(beta) blocked: the 16x16 diagonal blocks by one fp32
        forward substitution in registers (16 steps, all blocks at once), the rest by four 3-pass
-       bf16 products (hi*hi + hi*lo + lo*hi); w = T (exp(Gamma) k) and u = T v in 3 passes. Independent wgmmas are issued
-       together before one wait (`_mm`); exponentials use the approximate ex2 path (outputs
-       within ~1e-5 relative of exact expf on the H200, far below the bf16 operand rounding),
-       which cut the stage by a quarter. The CTA fits twice per SM (shared buffers reused
-       in place, masks from index vectors so ptxas keeps the wgmmas asynchronous): the
-       stage is a chain of small dependent steps, and a second CTA fills the waits.
-       `_intra` is the same stage in jnp
-       (`intra="xla"`), kept as a fallback; it was 3.6x slower than fla end to end.
+       bf16 products (hi*hi + hi*lo + lo*hi); w = T (exp(Gamma) k) and u = T v in 3 passes.
+       Independent wgmmas are issued together before one wait (`_mm`); exponentials use the
+       approximate ex2 path (outputs within ~1e-5 relative of exact expf on the H200, far below
+       the bf16 operand rounding), which cut the stage by a quarter. The CTA fits twice per SM
+       (shared buffers reused in place, masks from index vectors so ptxas keeps the wgmmas
+       asynchronous): the stage is a chain of small dependent steps, and a second CTA fills the
+       waits. `_intra` is the same stage in jnp (`intra="xla"`), kept as a fallback; it was 3.6x
+       slower than fla end to end.
   3-4. `_scan_call` (Mosaic GPU): grid (V tiles, HV, N sequences); each CTA walks its
        sequence's chunks in order with the fp32 state S [K, Vt] held in registers and, per
        chunk, runs 4 wgmmas:
