@@ -274,9 +274,8 @@ def _stage_inputs(a):
     """What the prefill computes before the intra-chunk kernel (q / k / v enter that kernel
     as they are: their chunk layout is a reshape, no copy; so does g where the kernel takes
     its cumsum, and returning it would time a copy)."""
-    gr = r(g.astype(f32))
-    gam, beta_t = kk._chunk_decays(gr, r(beta.astype(f32)), interpret=TINY)
-    return (beta_t,) if gam is gr else (gam, beta_t)
+    gam, beta_t = decays(g, beta)
+    return (beta_t,) if kk._cumsum_in_kernel(d) else (gam, beta_t)
 
   chunked = tuple(jax.block_until_ready(r(x)) for x in a[:3])
   ins = chunked + jax.block_until_ready(jax.jit(decays)(*a[3:]))

@@ -196,13 +196,12 @@ def _verify_call(q, k, v, g, beta, pool, slots, reset, *, interpret):
 _STREAM_VT, _STREAM_STAGES, _STREAM_CTAS_PER_SM = 32, 4, 3
 
 
-def _decode_stream(q, k, v, g, beta, pool, slots, reset, *, interpret, vt=None, stages=None,
-                   ctas_per_sm=None):
+def _decode_stream(q, k, v, g, beta, pool, slots, reset, *, interpret):
   """One decode token per row, persistent form: the (row, head, V tile) state tiles are dealt
-  round-robin to at most `num_sms() * ctas_per_sm` resident CTAs, and each CTA streams its
-  share through a ring of `stages` SMEM slots (TMA loads of the next tiles and the TMA stores
-  of the previous ones run under the current tile's update). A grid of one CTA per tile
-  loads, updates and stores each tile in turn and stays below HBM speed even with no math.
+  round-robin to at most `num_sms() * _STREAM_CTAS_PER_SM` resident CTAs, and each CTA streams
+  its share through a ring of `_STREAM_STAGES` SMEM slots (TMA loads of the next tiles and the
+  TMA stores of the previous ones run under the current tile's update). A grid of one CTA per
+  tile loads, updates and stores each tile in turn and stays below HBM speed even with no math.
 
   q, k, g [N,1,HV,K] f32 (q pre-scaled / normalised); v [N,1,HV,V] f32; beta [N,1,HV] f32;
   pool [S,HV,K,V] f32 (updated in place); slots, reset [N] int32.
@@ -210,11 +209,11 @@ def _decode_stream(q, k, v, g, beta, pool, slots, reset, *, interpret, vt=None, 
   """
   n, _, hv, kd = q.shape
   vd = v.shape[-1]
-  vt = min(vt or _STREAM_VT, vd)
-  stages = stages or _STREAM_STAGES
+  vt = min(_STREAM_VT, vd)
+  stages = _STREAM_STAGES
   nj = vd // vt
   items = n * hv * nj
-  ctas = min(items, num_sms() * (ctas_per_sm or _STREAM_CTAS_PER_SM))
+  ctas = min(items, num_sms() * _STREAM_CTAS_PER_SM)
   f32 = jnp.float32
 
   def kda_stream(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, pool_ref, o_ref, *,
