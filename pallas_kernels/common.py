@@ -22,3 +22,19 @@ def interpret_kwargs(interpret) -> dict:
     if not interpret:
         return {}
     return {"interpret": interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()}
+
+
+def hand_synced(**params) -> plgpu.CompilerParams:
+    """``CompilerParams(**params)`` for a kernel that orders its shared-memory accesses itself.
+
+    By default Pallas puts a warpgroup barrier before and after every SMEM store and before
+    every TMA load; a loop of small stores pays two per store (the KDA cumsum walk: 128 per
+    64-row tile). A kernel built with these parameters keeps this contract instead:
+      - a thread rewrites only SMEM elements it read itself, in the same layout;
+      - every hand-off between threads, to the tensor cores or to TMA passes through
+        ``commit_smem`` (fence + warpgroup barrier), a TMA wait (it ends in a barrier), an
+        mbarrier wait, or a cross-warp reduction (it has barriers of its own);
+      - after a ``wgmma`` that reads SMEM, a barrier comes before any store into its operands
+        (another warp's share of the product may still be reading them).
+    Interpret mode cannot show a broken contract; the GPU tests of each such kernel can."""
+    return plgpu.CompilerParams(unsafe_no_auto_barriers=True, **params)

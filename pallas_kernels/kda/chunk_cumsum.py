@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import interpret_kwargs
+from pallas_kernels.common import hand_synced, interpret_kwargs
 
 COLS = 128                                    # columns per CTA: one per thread of a warpgroup
 ROW = plgpu.Layout.WG_STRIDED((COLS,), vec_size=1)   # one row of a tile, a column per thread
@@ -73,5 +73,6 @@ def chunk_cumsum(g, *, interpret=False):
       scratch_types={"tile": plgpu.SMEM((c, COLS), jnp.float32),
                      "bar": plgpu.Barrier(num_arrivals=1, num_barriers=1)},
       grid=(nc, groups), grid_names=("c", "j"),
+      compiler_params=hand_synced(),
       **interpret_kwargs(interpret))
   return call(g.reshape(nc, c, groups, COLS)).reshape(g.shape)
