@@ -601,8 +601,9 @@ def _intra_call(qn, kn, v, decay, beta_t, *, interpret, scale=1.0, l2norm=False)
         hit = cols_c() == lax.broadcast_in_dim(base_r + s, (c, c), [0])
         return jnp.where(hit, lax.broadcast_in_dim(col, (c, c), [0]), dt)
 
-      dt = lax.fori_loop(0, blk, substitute, plgpu.layout_cast(jnp.zeros((c, c), f32), _L.WGMMA),
-                         unroll=2)
+      with jax.named_scope("diagonal"):
+        dt = lax.fori_loop(0, blk, substitute,
+                           plgpu.layout_cast(jnp.zeros((c, c), f32), _L.WGMMA), unroll=2)
       d_hi, d_lo = _split(dt)
       m1.T[...] = plgpu.layout_cast(d_hi, _L.WGMMA_TRANSPOSED)       # X = D
       m2.T[...] = plgpu.layout_cast(d_lo, _L.WGMMA_TRANSPOSED)
@@ -763,16 +764,25 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
       plgpu.barrier_wait(bar.at[slot])
       s_smem[...] = s.astype(bf)
       plgpu.commit_smem()
-      ws, og = _mm(((c, vt), (w_smem.at[slot], s_smem)),          # W S      [C,Vt]
-                   ((c, vt), (qg_smem.at[slot], s_smem)))         # Qg S     [C,Vt]
-      vn = plgpu.load(u_smem.at[slot], layout=_L.WGMMA) - ws        # v_new    [C,Vt]
-      vn_smem[...] = vn.astype(bf)
-      plgpu.commit_smem()
-      av, kv = _mm(((c, vt), (a_smem.at[slot], vn_smem)),          # A v_new
-                   ((kd, vt), (kg_smem.at[slot].transpose((1, 0)), vn_smem)))  # Kg^T v_new
-      o = og + av
-      glv = plgpu.load(gl_smem.at[slot], layout=_L.WGMMA.reduce(1))
-      s = s * lax.broadcast_in_dim(glv, (kd, vt), [0]) + kv
+
+      def products(acc_ws, acc_o, acc_kv):
+        # The state's chain is S -> W S -> v_new -> Kg^T v_new -> S; the output's products
+        # (Qg S, A v_new, summed in one accumulator) are issued behind the chain's and waited
+        # for last
+        plgpu.wgmma(acc_ws, w_smem.at[slot], s_smem)                   # W S      [C,Vt]
+        plgpu.wgmma(acc_o, qg_smem.at[slot], s_smem)                   # Qg S     [C,Vt]
+        vn = (plgpu.load(u_smem.at[slot], layout=_L.WGMMA)
+              - plgpu.wgmma_accumulator_load(acc_ws, wait_n=1))        # v_new    [C,Vt]
+        vn_smem[...] = vn.astype(bf)
+        plgpu.commit_smem()
+        plgpu.wgmma(acc_kv, kg_smem.at[slot].transpose((1, 0)), vn_smem)   # Kg^T v_new
+        plgpu.wgmma(acc_o, a_smem.at[slot], vn_smem)                   # + A v_new
+        kv = plgpu.wgmma_accumulator_load(acc_kv, wait_n=1)
+        glv = plgpu.load(gl_smem.at[slot], layout=_L.WGMMA.reduce(1))
+        return s * lax.broadcast_in_dim(glv, (kd, vt), [0]) + kv, acc_o[...]
+
+      s, o = pl.run_scoped(products, plgpu.ACC((c, vt), f32), plgpu.ACC((c, vt), f32),
+                           plgpu.ACC((kd, vt), f32))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       o_smem[...] = o.astype(out_dtype)
       plgpu.commit_smem()
