@@ -527,12 +527,13 @@ def _intra_call(qn, kn, v, decay, beta_t, *, interpret, scale=1.0, l2norm=False)
     with jax.named_scope("a_matrices"):
       # q, k rescaled by exp(G - r_row), r_row = G at the middle token of the row's sub-chunk
       gam = plgpu.load(g_s, layout=_L.WGMMA)
-      def sub_chunk_ref(a, rref):
-        in_a = (rows_k() >= a * _SUB) & (rows_k() < (a + 1) * _SUB)
-        ref_a = plgpu.load(gr_s.at[a], layout=_L.WGMMA.reduce(0))          # r_a
-        return jnp.where(in_a, lax.broadcast_in_dim(ref_a, (c, kd), [1]), rref)
-
-      rref = lax.fori_loop(0, ns, sub_chunk_ref, plgpu.layout_cast(jnp.zeros((c, kd), f32), _L.WGMMA))
+      # the masks below are per row: compared on the row vector (2 values a thread), then
+      # broadcast, instead of compared per element
+      in_rows = lambda lo, hi, n: lax.broadcast_in_dim((row_v >= lo) & (row_v < hi), (c, n), [0])
+      rref = lax.broadcast_in_dim(ref_vec(_REF), (c, kd), [1])
+      for a in range(1, ns):
+        r_a = lax.broadcast_in_dim(ref_vec(_REF + a * _SUB), (c, kd), [1])
+        rref = jnp.where(in_rows(a * _SUB, c, kd), r_a, rref)
       rowexp = jnp.exp(jnp.minimum(gam - rref, _EXP_CLAMP))
       x1[...] = (tile(x1) * rowexp).astype(bf)
       k_row = (tile(k_s) * rowexp).astype(bf)
@@ -546,12 +547,12 @@ def _intra_call(qn, kn, v, decay, beta_t, *, interpret, scale=1.0, l2norm=False)
         ref_a = plgpu.load(gr_s.at[a], layout=_L.WGMMA.reduce(0))          # r_a
         expo = jnp.minimum(lax.broadcast_in_dim(ref_a, (c, kd), [1])
                            - plgpu.load(g_s, layout=_L.WGMMA), _EXP_CLAMP)
-        # keys after sub-chunk a never meet its rows (causal); zeroed, so that no products of
-        # two large factors (inf) appear outside the sub-chunk's diagonal block
-        t3[...] = jnp.where(rows_k() < (a + 1) * _SUB, tile(k_s) * jnp.exp(expo), 0.0).astype(bf)
+        # keys after sub-chunk a meet its rows only above the diagonal, where their products
+        # (which can overflow: both factors up to exp(85)) are masked out
+        t3[...] = (tile(k_s) * jnp.exp(expo)).astype(bf)
         plgpu.commit_smem()
         keys = t3.transpose((1, 0))
-        mine = (rows_c() >= a * _SUB) & (rows_c() < (a + 1) * _SUB)
+        mine = in_rows(a * _SUB, (a + 1) * _SUB, c)
         p_qk, p_kk = _mm(((c, c), (x1, keys)), ((c, c), (t2, keys)),
                          sync=True)                             # t3, x1 rewritten next
         return jnp.where(mine, p_qk, a_qk), jnp.where(mine, p_kk, a_kk)
