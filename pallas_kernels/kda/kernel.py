@@ -500,46 +500,50 @@ def _intra_call(qn, kn, v, decay, beta_t, *, interpret, scale=1.0, l2norm=False)
     # (register pressure here decides whether ptxas keeps the wgmmas asynchronous)
     row_v = plgpu.broadcasted_iota(jnp.int32, (c,), 0, layout=_L.WGMMA.reduce(1))
     col_v = plgpu.broadcasted_iota(jnp.int32, (c,), 0, layout=_L.WGMMA.reduce(0))
-    rows_k = lambda: lax.broadcast_in_dim(row_v, (c, kd), [0])
     rows_c = lambda: lax.broadcast_in_dim(row_v, (c, c), [0])
     cols_c = lambda: lax.broadcast_in_dim(col_v, (c, c), [1])
-    if l2norm or scale != 1.0:
-      with jax.named_scope("qk_prep"):
-        for ref, mult in ((x1, scale), (k_s, 1.0)):
-          x = tile(ref)
-          if l2norm:
-            inv = lax.rsqrt(jnp.sum(x * x, axis=1) + L2NORM_EPS)
-            x = x * lax.broadcast_in_dim(inv, (c, kd), [0])
-          if mult != 1.0 or l2norm:
-            ref[...] = (x * mult if mult != 1.0 else x).astype(bf)
-        plgpu.commit_smem()
-    with jax.named_scope("qg_kg_out"):
-      # outputs that need only G, q, k: qg = q exp(G), kg = k exp(G_last - G), exp(G_last)
+    def prepared(ref, mult, keep):
+      """q or k as the rest of the kernel reads it: l2-normalised when `l2norm`, times `mult`,
+      rounded once to bf16 (as `prepare_qk`); written back to `ref` when `keep`."""
+      x = tile(ref)
+      if not l2norm and mult == 1.0:
+        return x
+      if l2norm:
+        x = x * lax.broadcast_in_dim(lax.rsqrt(jnp.sum(x * x, axis=1) + L2NORM_EPS), (c, kd), [0])
+      x = (x * mult if mult != 1.0 else x).astype(bf)
+      if keep:
+        ref[...] = x
+      return x.astype(f32)
+
+    # the masks below are per row: compared on the row vector (2 values a thread), then
+    # broadcast, instead of compared per element
+    in_rows = lambda lo, hi, n: lax.broadcast_in_dim((row_v >= lo) & (row_v < hi), (c, n), [0])
+    with jax.named_scope("qk_out"):
+      # q and k loaded once for the outputs that need only G, q, k (qg = q exp(G), kg = k
+      # exp(G_last - G), exp(G_last)) and for the A matrices' operands, q and k rescaled by
+      # exp(G - r_row), r_row = G at the middle token of the row's sub-chunk
       gam = plgpu.load(g_s, layout=_L.WGMMA)
-      glast = ref_vec(c - 1)
-      t3[...] = (tile(x1) * jnp.exp(gam)).astype(bf)
-      t2[...] = (tile(k_s) * jnp.exp(lax.broadcast_in_dim(glast, (c, kd), [1]) - gam)).astype(bf)
-      gl_s[...] = jnp.exp(glast)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(t3, qg_ref.at[ch, h])
-      plgpu.copy_smem_to_gmem(t2, kg_ref.at[ch, h])
-      plgpu.copy_smem_to_gmem(gl_s, gl_ref.at[ch, h])
-    with jax.named_scope("a_matrices"):
-      # q, k rescaled by exp(G - r_row), r_row = G at the middle token of the row's sub-chunk
-      gam = plgpu.load(g_s, layout=_L.WGMMA)
-      # the masks below are per row: compared on the row vector (2 values a thread), then
-      # broadcast, instead of compared per element
-      in_rows = lambda lo, hi, n: lax.broadcast_in_dim((row_v >= lo) & (row_v < hi), (c, n), [0])
       rref = lax.broadcast_in_dim(ref_vec(_REF), (c, kd), [1])
       for a in range(1, ns):
         r_a = lax.broadcast_in_dim(ref_vec(_REF + a * _SUB), (c, kd), [1])
         rref = jnp.where(in_rows(a * _SUB, c, kd), r_a, rref)
       rowexp = jnp.exp(jnp.minimum(gam - rref, _EXP_CLAMP))
-      x1[...] = (tile(x1) * rowexp).astype(bf)
-      k_row = (tile(k_s) * rowexp).astype(bf)
+      q = prepared(x1, scale, keep=False)
+      t3[...] = (q * jnp.exp(gam)).astype(bf)
+      x1[...] = (q * rowexp).astype(bf)
+      k = prepared(k_s, 1.0, keep=True)
+      glast = ref_vec(c - 1)
+      t2[...] = (k * jnp.exp(lax.broadcast_in_dim(glast, (c, kd), [1]) - gam)).astype(bf)
+      gl_s[...] = jnp.exp(glast)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(t3, qg_ref.at[ch, h])
+      plgpu.copy_smem_to_gmem(t2, kg_ref.at[ch, h])
+      plgpu.copy_smem_to_gmem(gl_s, gl_ref.at[ch, h])
+      k_row = (k * rowexp).astype(bf)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)                # qg (t3), kg (t2) read
       t2[...] = k_row
 
+    with jax.named_scope("a_matrices"):
       def sub_chunk_pass(a, acc):
         # a rolled loop: the kernel's code is large enough that its size costs time (the
         # substitution loop below ran 2x slower fully unrolled)
