@@ -36,5 +36,7 @@ def hand_synced(**params) -> plgpu.CompilerParams:
         mbarrier wait, or a cross-warp reduction (it has barriers of its own);
       - after a ``wgmma`` that reads SMEM, a barrier comes before any store into its operands
         (another warp's share of the product may still be reading them).
-    Interpret mode cannot show a broken contract; the GPU tests of each such kernel can."""
+    Mosaic GPU's interpreter with race detection finds a TMA copy that overtakes the loads or
+    stores it must follow (the KDA kernels are tested so); a missing barrier between the warps
+    of one warpgroup, or before a store into a wgmma operand, only the GPU tests can show."""
     return plgpu.CompilerParams(unsafe_no_auto_barriers=True, **params)

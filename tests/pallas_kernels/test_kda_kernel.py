@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from test_kda import LENS, cu_of, make_inputs, rand_state, rel_err
 
 from pallas_kernels.kda import chunk_kda, kda_commit, kda_decode, kda_verify, kernel
@@ -190,6 +191,40 @@ def test_kernel_prefill_then_decode_equals_longer_prefill():
   oo, ff, _ = kda_oracle(q, k, v, g, beta, use_qk_l2norm=True, dtype=np.float64)
   assert rel_err(jnp.stack(outs, 1), oo[:, tp:]) < PREFILL_TOL
   assert rel_err(pool[1], ff[0]) < PREFILL_TOL
+
+
+@pytest.mark.parametrize("kd", [64, 128])
+def test_kernels_order_tma_traffic_without_races(kd, monkeypatch):
+  """The kernels run without Pallas's automatic barriers (`hand_synced`), so their own order of
+  TMA copies against shared-memory loads and stores is what keeps them correct. Mosaic GPU's
+  interpreter with race detection checks that order (between TMA and warpgroups, and between
+  warpgroups; not between the warps of one warpgroup, nor the tensor cores' reads): prefill
+  with varlen, initial states and checkpoints, the chunk cumsum (K = 64), decode (more state
+  tiles than CTAs, so the TMA ring is refilled) and verify."""
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public access
+  states = []
+
+  class Recorded(gpu_callbacks.GPURaceDetectionState):    # one per interpreted kernel
+    def __init__(self, *a, **kw):
+      super().__init__(*a, **kw)
+      states.append(self)
+
+  monkeypatch.setattr(gpu_callbacks, "GPURaceDetectionState", Recorded)
+  monkeypatch.setattr(kernel, "num_sms", lambda: 1)       # decode: ring refills in each CTA
+  monkeypatch.setattr(kernel, "_STREAM_CTAS_PER_SM", 1)
+  races = plgpu.InterpretGPUParams(detect_races=True)
+  lens = [130, 15]
+  q, k, v, g, beta = make_inputs(t=sum(lens), h=1, kd=kd, vd=kd, seed=3, dtype=jnp.bfloat16)
+  chunk_kda(q, k, v, g, beta, initial_state=rand_state(2, 1, kd, kd), cu_seqlens=cu_of(lens),
+            output_final_state=True, use_qk_l2norm=True, checkpoint_every=64,
+            backend="pallas", interpret=races)
+  pool, slots = rand_state(7, 1, kd, kd), jnp.array([1, 2, 3, 4, 5, 0], jnp.int32)
+  kda_decode(q[0, :6], k[0, :6], v[0, :6], g[0, :6], beta[0, :6], pool, slots,
+             use_qk_l2norm=True, backend="pallas", interpret=races)
+  t3 = lambda x: x[0, :6].reshape(2, 3, *x.shape[2:])
+  kda_verify(t3(q), t3(k), t3(v), t3(g), t3(beta), pool, slots[:2], use_qk_l2norm=True,
+             backend="pallas", interpret=races)
+  assert len(states) >= 4 and not any(st.races_found for st in states)
 
 
 @pytest.mark.parametrize("kd,vdtype", [(64, jnp.float32), (128, jnp.bfloat16)])
