@@ -221,8 +221,8 @@ def test_kernels_order_tma_traffic_without_races(kd, monkeypatch):
   pool, slots = rand_state(7, 1, kd, kd), jnp.array([1, 2, 3, 4, 5, 0], jnp.int32)
   kda_decode(q[0, :6], k[0, :6], v[0, :6], g[0, :6], beta[0, :6], pool, slots,
              use_qk_l2norm=True, backend="pallas", interpret=races)
-  t3 = lambda x: x[0, :6].reshape(2, 3, *x.shape[2:])
-  kda_verify(t3(q), t3(k), t3(v), t3(g), t3(beta), pool, slots[:2], use_qk_l2norm=True,
+  two_rows_of_3 = lambda x: x[0, :6].reshape(2, 3, *x.shape[2:])
+  kda_verify(*map(two_rows_of_3, (q, k, v, g, beta)), pool, slots[:2], use_qk_l2norm=True,
              backend="pallas", interpret=races)
   assert len(states) >= 4 and not any(st.races_found for st in states)
 
