@@ -586,10 +586,11 @@ def _intra_call(qn, kn, v, decay, beta_t, *, interpret, scale=1.0, l2norm=False)
       # D = (I + Nd)^-1, and M = D No is strictly block-lower (M^(c/B) = 0), so
       #   T = (I + M)^-1 D = (I - M)(I + M^2)(I + M^4)... D.
       # D comes from a forward substitution in fp32 on D^T held in registers, all diagonal
-      # blocks at once: step s sets column s of every block (row b B + s of N, read from
-      # SMEM, supplies block b's columns); a sum runs along a register row (a thread's 16
-      # columns, then its quad), so a step needs no cross-warp traffic. The products are
-      # 3-pass bf16 wgmmas (64x64x64).
+      # blocks at once and only they: dt[r, t] = D^T[r, base(r) + t], base(r) the first row
+      # of r's block (a quarter of the full tile's work a step). Step s sets column s of
+      # every block (row base(r) + s of N, read from SMEM, supplies r's block); a sum runs
+      # along a register row (a thread's columns, then its quad), so a step needs no
+      # cross-warp traffic. The products are 3-pass bf16 wgmmas (64x64x64).
       n_s[...] = nmat
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)                # A_qk (m5) read
       base_r = functools.reduce(lambda acc, b: jnp.where(row_v >= b * blk, b * blk, acc),
@@ -599,20 +600,24 @@ def _intra_call(qn, kn, v, decay, beta_t, *, interpret, scale=1.0, l2norm=False)
       p1[...] = no_hi
       p2[...] = no_lo
       plgpu.commit_smem()
+      col_t = plgpu.broadcasted_iota(jnp.int32, (blk,), 0, layout=_L.WGMMA.reduce(0))
 
       def substitute(s, dt):
-        n_comb = plgpu.load(n_s.at[s], layout=_L.WGMMA.reduce(0), optimized=False)
-        for b in range(1, nblk):
-          row = plgpu.load(n_s.at[b * blk + s], layout=_L.WGMMA.reduce(0), optimized=False)
-          n_comb = jnp.where(col_v >= b * blk, row, n_comb)
-        acc = jnp.sum(dt * lax.broadcast_in_dim(n_comb, (c, c), [1]), axis=1)
-        col = jnp.where(row_v == base_r + s, 1.0, 0.0) - acc
-        hit = cols_c() == lax.broadcast_in_dim(base_r + s, (c, c), [0])
-        return jnp.where(hit, lax.broadcast_in_dim(col, (c, c), [0]), dt)
+        n_comb = None                                                # N[base(r) + s, base(r) + t]
+        for b in range(nblk):
+          row = plgpu.load(n_s.at[b * blk + s, pl.ds(b * blk, blk)], layout=_L.WGMMA.reduce(0),
+                           optimized=False)
+          row = lax.broadcast_in_dim(row, (c, blk), [1])
+          n_comb = row if b == 0 else jnp.where(in_rows(b * blk, c, blk), row, n_comb)
+        col = jnp.where(row_v == base_r + s, 1.0, 0.0) - jnp.sum(dt * n_comb, axis=1)
+        hit = lax.broadcast_in_dim(col_t == s, (c, blk), [1])
+        return jnp.where(hit, lax.broadcast_in_dim(col, (c, blk), [0]), dt)
 
       with jax.named_scope("diagonal"):
         dt = lax.fori_loop(0, blk, substitute,
-                           plgpu.layout_cast(jnp.zeros((c, c), f32), _L.WGMMA), unroll=2)
+                           plgpu.layout_cast(jnp.zeros((c, blk), f32), _L.WGMMA), unroll=2)
+        in_block = (cols_c() >= base_rc()) & (cols_c() < base_rc() + blk)
+        dt = jnp.where(in_block, jnp.concatenate([dt] * nblk, axis=1), 0.0)   # D^T [c, c]
       d_hi, d_lo = split_bf(dt)
       m1.T[...] = plgpu.layout_cast(d_hi, _L.WGMMA_TRANSPOSED)       # X = D
       m2.T[...] = plgpu.layout_cast(d_lo, _L.WGMMA_TRANSPOSED)
@@ -720,11 +725,11 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
   w, qg, kg [NC,HV,C,K] bf16; u [NC,HV,C,V] f32; a [NC,HV,C,C] bf16; gl [NC,HV,K] f32;
   cs, ncs, lens [N] int32 (first chunk, chunk count, token count of each sequence);
   init [N,HV,K,V] f32 or None; ck_off [N] int32 (first checkpoint row) when every is set;
-  vt the V tile (`_scan_v_tile`). The operands of up to `_SCAN_STAGES` chunks are loaded or
-  in flight at once (three fit in shared memory at 32-wide V tiles: 1.2 % faster at K = 64,
-  T = 32K, H = 32, within the noise at K = 128; two at 64-wide tiles). Returns o [NC,C,HV,V] (out_dtype; rows of unused chunk
+  vt the V tile (`_scan_v_tile`). Returns o [NC,C,HV,V] (out_dtype; rows of unused chunk
   slots are unwritten), final [N,HV,K,V] f32 and, when every is set, checkpoints
-  [num_ckpt,HV,K,V] f32.
+  [num_ckpt,HV,K,V] f32. The operands of up to `_SCAN_STAGES` chunks are loaded or in flight
+  at once (three fit in shared memory at 32-wide V tiles: 1.2 % faster at K = 64, T = 32K,
+  H = 32, within the noise at K = 128; two at 64-wide tiles).
   """
   nct, hv, c, kd = w.shape
   vd = u.shape[-1]
