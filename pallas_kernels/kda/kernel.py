@@ -105,15 +105,15 @@ def _swizzled(dtype, cols, max_bytes=128):
   return (plgpu.TilingTransform((8, sw * 8 // bits)), plgpu.SwizzleTransform(sw))
 
 
-_NARROW_SCAN_CTAS = 132    # prefill scan: 64-wide V tiles below this many CTAs become 32 wide
+_NARROW_SCAN_CTAS = 132    # prefill scan: the most CTAs of one wave (one per SM on the H200)
 
 
 def _scan_v_tile(n, hv, vd):
   """V tile of the prefill scan's grid (V tiles x heads x sequences, each CTA walking its
-  sequence's chunks in order): 32 columns when 64-wide tiles would leave SMs idle, 64 otherwise.
-  H200, T = 32K, V = 128, one process: HV = 32 (64 -> 128 CTAs) 0.817 -> 0.747 ms; HV = 64
-  (128 -> 256 CTAs, not taken) 1.04 -> 1.91 ms."""
-  return 32 if n * hv * (vd // 64) < _NARROW_SCAN_CTAS else min(64, vd)
+  sequence's chunks in order, one CTA per SM): 32 columns when that grid still fits in one
+  wave, 64 otherwise. H200, T = 32K, V = 128: HV = 32 (64 -> 128 CTAs) 0.817 -> 0.747 ms; HV =
+  64 (128 -> 256 CTAs: two waves) 1.06 -> 1.98 ms, so 64 wide there."""
+  return 32 if n * hv * (vd // 32) <= _NARROW_SCAN_CTAS else min(64, vd)
 
 
 _NARROW_STEP_ROWS = 1024   # verify: rows x heads up to which V tiles are 32 wide

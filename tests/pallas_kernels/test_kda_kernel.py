@@ -92,6 +92,8 @@ def test_chunk_kernel_scan_tile_widths_agree(monkeypatch):
   run = lambda: chunk_kda(q, k, v, g, beta, initial_state=init, output_final_state=True,
                           use_qk_l2norm=True, backend="pallas", interpret=_interpret())
   assert kernel._scan_v_tile(1, 2, 128) == 32
+  # one CTA per SM: 32-wide tiles only while their grid fits in one wave of the H200's 132 SMs
+  assert kernel._scan_v_tile(1, 32, 128) == 32 and kernel._scan_v_tile(1, 64, 128) == 64
   narrow = run()
   monkeypatch.setattr(kernel, "_NARROW_SCAN_CTAS", 0)
   assert kernel._scan_v_tile(1, 2, 128) == 64
