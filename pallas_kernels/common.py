@@ -48,9 +48,8 @@ def hand_synced(**params) -> plgpu.CompilerParams:
     return plgpu.CompilerParams(unsafe_no_auto_barriers=True, **params)
 
 
-
-
-# PTX for a pair of fp32 values $n, $n+1 (element 0 goes to the low half of each bf16x2 word)
+# PTX taking a pair of fp32 registers (the last two operands; element 0 goes to the low half of
+# each bf16x2 word) to one (_CVT_PAIR) or two (_SPLIT_PAIR: hi, lo) bf16x2 words
 _CVT_PAIR = "cvt.rn.bf16x2.f32 $0, $2, $1;"
 _SPLIT_PAIR = """{
 \t.reg .b32 t0, t1;
@@ -77,7 +76,7 @@ def _pairwise_bf16(x, layout, asm, n_out):
         for idx, reg in np.ndenumerate(a.registers):
             n = ir.VectorType(reg.type).shape[0]
             if n % 2:
-                raise NotImplementedError(f"packed bf16 conversion needs registers of even width, got {n}")
+                raise NotImplementedError(f"packed bf16 conversion: odd register width {n}")
             words = [[] for _ in range(n_out)]
             for i in range(0, n, 2):
                 res = llvm.inline_asm(ret, [vector.extract(reg, [], [i + j]) for j in (0, 1)], asm,

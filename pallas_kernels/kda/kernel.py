@@ -635,7 +635,7 @@ def _intra_call(qn, kn, v, decay, beta_t, *, interpret, scale=1.0, l2norm=False)
         plgpu.commit_smem()
         groups = (split3(q1, q2, m1, m2, c),) + (() if last else (split3(q1, q2, p1, p2, c),))
         x, *pp = _mm(*groups, sync=True)
-        m1[...], m2[...] = split_bf(x)                                 # T when last
+        m1[...], m2[...] = split_bf(x)                               # T when last
         if not last:
           p = pp[0] - p
       plgpu.commit_smem()
