@@ -713,6 +713,11 @@ def _chunk_decays(g, beta, *, interpret):
 
 
 _SCAN_STAGES = 3           # prefill scan: chunks whose operands are loaded or in flight at once
+# prefill scan: V tiles of a head that share their operand loads (one CTA each, multicast).
+# H200, T = 32K, K = 128, same process: H = 32 2.10 -> 2.06 ms, H = 64 3.85 -> 3.63 ms; all
+# four V tiles of a head (H = 32) 2.52 ms, clusters of four such CTAs are not all resident at
+# once; at K = 64 pairs were 1 % slower, so not there
+_SCAN_CLUSTER = 2
 _SMEM_BYTES = 226 * 1024   # shared memory a CTA may use (H200: 227 KiB), less 1 KiB for barriers
 
 
@@ -729,7 +734,8 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
   slots are unwritten), final [N,HV,K,V] f32 and, when every is set, checkpoints
   [num_ckpt,HV,K,V] f32. The operands of up to `_SCAN_STAGES` chunks are loaded or in flight
   at once (three fit in shared memory at 32-wide V tiles: 1.2 % faster at K = 64, T = 32K,
-  H = 32, within the noise at K = 128; two at 64-wide tiles).
+  H = 32, within the noise at K = 128; two at 64-wide tiles). The step waits on its loads
+  (L2 bandwidth: 128 CTAs take in ~6 TB/s), hence `_SCAN_CLUSTER`.
   """
   nct, hv, c, kd = w.shape
   vd = u.shape[-1]
@@ -738,7 +744,7 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
   has_init = init is not None
 
   def kda_scan(*refs, w_smem, qg_smem, kg_smem, a_smem, u_smem, gl_smem, s_smem, vn_smem,
-               o_smem, sf_smem, bar, ibar):
+               o_smem, sf_smem, bar, ibar, free):
     refs = list(refs)
     w_ref, qg_ref, kg_ref, u_ref, a_ref, gl_ref, cs_ref, nc_ref, len_ref = refs[:9]
     refs = refs[9:]
@@ -746,7 +752,7 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
     off_ref = refs.pop(0) if every else None
     o_ref, fin_ref = refs[0], refs[1]
     ck_ref = refs[2] if every else None
-    j = lax.axis_index("vt")
+    j = lax.axis_index("vt") * pair + (lax.axis_index("pair") if pair > 1 else 0)
     h = lax.axis_index("h")
     sq = lax.axis_index("n")
     cols = pl.ds(j * vt, vt)
@@ -756,10 +762,8 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
     def issue(i, slot):
       ch = c0 + i
       b = bar.at[slot]
-      plgpu.copy_gmem_to_smem(w_ref.at[ch, h], w_smem.at[slot], b)
-      plgpu.copy_gmem_to_smem(qg_ref.at[ch, h], qg_smem.at[slot], b)
-      plgpu.copy_gmem_to_smem(kg_ref.at[ch, h], kg_smem.at[slot], b)
-      plgpu.copy_gmem_to_smem(a_ref.at[ch, h], a_smem.at[slot], b)
+      for src, dst in ((w_ref, w_smem), (qg_ref, qg_smem), (kg_ref, kg_smem), (a_ref, a_smem)):
+        plgpu.copy_gmem_to_smem(src.at[ch, h], dst.at[slot], b, collective_axes=shared)
       plgpu.copy_gmem_to_smem(u_ref.at[ch, h, :, cols], u_smem.at[slot], b)
       plgpu.copy_gmem_to_smem(gl_ref.at[ch, h], gl_smem.at[slot], b)
 
@@ -781,6 +785,12 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
 
       @pl.when(i + stages - 1 < nch)      # into the slot of chunk i - 1, whose reads are done
       def _():
+        if shared:                        # in every CTA of the cluster
+
+          @pl.when(i >= 1)
+          def _():
+            plgpu.barrier_wait(free.at[lax.rem(i - 1, stages)])
+
         issue(i + stages - 1, lax.rem(i + stages - 1, stages))
 
       plgpu.barrier_wait(bar.at[slot])
@@ -809,6 +819,12 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
       o_smem[...] = o.astype(out_dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem, o_ref.at[c0 + i, :, h, cols])
+      if shared:
+
+        @pl.when(i + stages < nch)        # this CTA has read the slot that chunk i + stages takes
+        def _():
+          plgpu.barrier_arrive(free.at[slot])
+
       if every:
         done = (i + 1) * c
 
@@ -832,6 +848,10 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
   per_chunk = 3 * c * kd * 2 + c * c * 2 + c * vt * 4 + kd * 4      # w, qg, kg, a, u, gl
   fixed = kd * vt * 2 + c * vt * 2 + c * vt * jnp.dtype(out_dtype).itemsize + kd * vt * 4
   stages = max(2, min(_SCAN_STAGES, (_SMEM_BYTES - fixed) // per_chunk))
+  # at K = 128, pairs of a head's V tiles form clusters: each CTA loads half of the operands
+  # both read (w, qg, kg, A) and multicasts it; `free` tells both CTAs when both have read a slot
+  pair = _SCAN_CLUSTER if kd >= 128 and (vd // vt) % _SCAN_CLUSTER == 0 else 1
+  shared = ("pair",) if pair > 1 else None
   sw = vt * 2                             # bf16 bytes of the narrowest operand row (<= 128)
   sw_k, sw_c, sw_v = _swizzled(bf, kd, sw), _swizzled(bf, c, sw), _swizzled(bf, vt)
   scratch = {
@@ -847,6 +867,7 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
       "sf_smem": plgpu.SMEM((kd, vt), f32, transforms=_swizzled(f32, vt)),
       "bar": plgpu.Barrier(num_arrivals=6, num_barriers=stages),
       "ibar": plgpu.Barrier(num_arrivals=1, num_barriers=1),
+      "free": plgpu.ClusterBarrier(collective_axes=shared, num_barriers=stages) if shared else None,
   }
   out_type = [jax.ShapeDtypeStruct((nct, c, hv, vd), out_dtype),
               jax.ShapeDtypeStruct((n, hv, kd, vd), f32)]
@@ -859,7 +880,8 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
     args.append(ck_off)
   call = plgpu.kernel(
       kda_scan, out_type=tuple(out_type), scratch_types=scratch,
-      grid=(vd // vt, hv, n), grid_names=("vt", "h", "n"),
+      grid=(vd // vt // pair, hv, n), grid_names=("vt", "h", "n"),
+      cluster=(pair,) if shared else (), cluster_names=shared or (),
       compiler_params=hand_synced(approx_math=False),
       **interpret_kwargs(interpret))
   return call(*args)
