@@ -9,6 +9,8 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+SMEM_PER_CTA = 227 * 1024   # the most shared memory a CTA may use on the H100 / H200 (bytes)
+
 
 def num_sms() -> int:
     """Multiprocessor count of the default GPU (132 on an H200; 132 without a GPU, e.g. for

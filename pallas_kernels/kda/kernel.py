@@ -65,6 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (
+  SMEM_PER_CTA,
   bf16_split,
   hand_synced,
   interpret_kwargs,
@@ -718,7 +719,7 @@ _SCAN_STAGES = 3           # prefill scan: chunks whose operands are loaded or i
 # four V tiles of a head (H = 32) 2.52 ms, clusters of four such CTAs are not all resident at
 # once; at K = 64 pairs were 1 % slower, so not there
 _SCAN_CLUSTER = 2
-_SMEM_BYTES = 226 * 1024   # shared memory a CTA may use (H200: 227 KiB), less 1 KiB for barriers
+_SMEM_BYTES = SMEM_PER_CTA - 1024   # the scan's buffers: all a CTA may use, less its barriers
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "every", "num_ckpt", "vt", "interpret"))

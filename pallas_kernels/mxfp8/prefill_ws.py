@@ -36,12 +36,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.common import SMEM_PER_CTA
+
 from . import wdequant as wd
 
 RB = 128                     # weight rows per CTA: two compute warpgroups x 64
 FORMATS = ("mxfp8", "fp8_block")
-SMEM_LIMIT = 227 * 1024      # H200 shared memory per CTA
-# (tk, stages) in order of preference per format (the first that fits SMEM_LIMIT with the output
+# (tk, stages) in order of preference per format (the first that fits SMEM_PER_CTA with the output
 # tile): one H200 at M = 2048 / 8192, bm = 256: MXFP8 best at tk 64 with 3-4 stages, block FP8
 # (one scale per 128 columns) at tk 128 with 2 stages (RESULTS.md part 12).
 STEPS = {"mxfp8": ((64, 4), (64, 3), (64, 2)), "fp8_block": ((128, 2), (64, 4), (64, 3), (64, 2))}
@@ -63,7 +64,7 @@ def config(fmt: str, m: int, n: int, k: int, out_dtype) -> tuple[int, int, int] 
     bm = 128 if m <= 128 else 256
     out_bytes = jnp.dtype(out_dtype).itemsize
     for tk, stages in STEPS[fmt]:
-        if k % tk == 0 and smem_bytes(fmt, bm, tk, stages, out_bytes) <= SMEM_LIMIT:
+        if k % tk == 0 and smem_bytes(fmt, bm, tk, stages, out_bytes) <= SMEM_PER_CTA:
             return bm, tk, stages
     return None
 

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "quant"))
 import quant_oracle as orc  # noqa: E402
 
 from kk_jax.quant import mxfp8 as q  # noqa: E402
+from pallas_kernels.common import SMEM_PER_CTA  # noqa: E402
 from pallas_kernels.mxfp8 import matmul, matmul_kernel, matmul_reference  # noqa: E402
 
 
@@ -161,7 +162,7 @@ def test_prefill_ws_tiles_fit_shared_memory():
     for fmt in ws.FORMATS:
         for out in (jnp.bfloat16, jnp.float32):
             bm, tk, stages = ws.config(fmt, 4096, 4096, 4096, out)
-            assert ws.smem_bytes(fmt, bm, tk, stages, jnp.dtype(out).itemsize) <= ws.SMEM_LIMIT
+            assert ws.smem_bytes(fmt, bm, tk, stages, jnp.dtype(out).itemsize) <= SMEM_PER_CTA
 
 
 def test_small_grids_choose_the_engine_per_format():
