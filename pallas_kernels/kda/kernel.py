@@ -26,9 +26,9 @@ Chunked prefill (`chunk_kda_pallas`), fla's stage split with stages 3 and 4 fuse
   1-2. `_intra_call` (Mosaic GPU, one CTA per (head, chunk), all chunks in parallel):
        A_qk / A_kk with the 32-token sub-chunk reference trick (exp(Gamma_i - r) *
        exp(r - Gamma_j), r = Gamma at the middle token of row i's sub-chunk; 2 passes of 2
-       wgmmas), T = (I + A_kk)^-1 Diag(beta) blocked: the 16x16 diagonal blocks by one fp32
-       forward substitution in registers (16 steps, all blocks at once), the rest by four 3-pass
-       bf16 products (hi*hi + hi*lo + lo*hi); w = T (exp(Gamma) k) and u = T v in 3 passes.
+       wgmmas), T = (I + A_kk)^-1 Diag(beta) blocked: the 16x16 diagonal blocks by fp32
+       forward substitution, each thread solving for the columns it holds (`diag_inverse.py`),
+       the rest by four 3-pass bf16 products (hi*hi + hi*lo + lo*hi); w = T (exp(Gamma) k) and u = T v in 3 passes.
        Independent wgmmas are issued together before one wait (`_mm`); exponentials use the
        approximate ex2 path (outputs within ~1e-5 relative of exact expf on the H200, far below
        the bf16 operand rounding), which cut the stage by a quarter. The CTA fits twice per SM
@@ -78,13 +78,14 @@ from .chunk_cumsum import COLS as CUMSUM_COLS
 from .chunk_cumsum import ROW as CUMSUM_ROW
 from .chunk_cumsum import chunk_cumsum, cumsum_rows
 from .chunk_cumsum import kernel_supported as cumsum_kernel_supported
+from .diag_inverse import BLOCK as _INV_BLOCK
+from .diag_inverse import diag_block_inverse_t
 from .reference import CHUNK, _chunk_table
 
 SUPPORTED_DIMS = (64, 128)
 _L = plgpu.Layout
 _SUB = 32          # sub-chunk length of the intra-chunk reference trick
 _REF = 16          # its reference row (the middle: both exponent ranges are 16 tokens)
-_INV_BLOCK = 16    # diagonal block of the intra-chunk inverse (a power of two dividing 64)
 _EXP_CLAMP = 85.0  # exp(85) ~ 8e36 < float32/bf16 max
 
 
@@ -411,13 +412,14 @@ def _intra_call(qn, kn, v, decay, beta_t, *, interpret, scale=1.0, l2norm=False)
       the passes of 16-row ones referenced at their first: the kernel 1.12x faster at T = 32K,
       H = 32);
     T = (I + N)^-1, N = Diag(beta) A_kk strictly lower: D, the inverse of N's 16x16 diagonal
-      blocks, by one forward substitution in fp32 registers for all blocks (16 steps, the loop
-      unrolled twice), then T = (I - M)(I + M^2) D with M = D (N below the blocks), three
+      blocks, by forward substitution in fp32 registers, each thread for the two columns of D
+      its rows of D^T hold (`diag_block_inverse_t`; 1.07x faster than a 16-step substitution
+      of whole register rows at T = 32K, H = 32), then T = (I - M)(I + M^2) D with M = D (N below the blocks), three
       3-pass products after M's (1.13x faster than the 64-step substitution of all of T at
       T = 32K, H = 32; 8x8 blocks with one product more were 1 % slower);
     machine code size is a limit of this kernel: with the sub-chunk passes unrolled it was
-      125 KiB (sm_90a), and unrolling the substitution 4, 8 or 64 times (128.5 / 135 / 185 KiB)
-      made the prefill 7 % / 50 % / 100 % slower, a cliff at ~128 KiB consistent with the SM's
+      125 KiB (sm_90a), and unrolling a 64-step substitution loop 4, 8 or 64 times (128.5 /
+      135 / 185 KiB) made the prefill 7 % / 50 % / 100 % slower, a cliff at ~128 KiB consistent with the SM's
       instruction cache; adding the q/k l2-normalisation to that form (135 KiB) made it 40 %
       slower. So the sub-chunk passes and reference rows run as loops: 95 KiB with the
       l2-normalisation, 8 % faster than the unrolled form without it (RESULTS.md part 15);
@@ -429,7 +431,8 @@ def _intra_call(qn, kn, v, decay, beta_t, *, interpret, scale=1.0, l2norm=False)
   reused in place as the stage goes,
     x1  q -> q exp(G - r_row) -> v -> (beta v)_hi          (f32 v: its own buffer)
     x2  k -> D, then T (hi | lo)
-    x3  kg staging -> k exp(G - r_row) -> N (f32, read by rows in the substitution) ->
+    x3  kg staging -> k exp(G - r_row) -> N (f32, its diagonal blocks' rows read by every
+        thread of a warp in the substitution) ->
         I + P (hi | lo) -> w staging
     x4  qg staging -> keys of pass a -> A_qk staging -> N below the blocks, then P (hi | lo)
         -> (beta v)_lo
@@ -550,8 +553,8 @@ def _intra_call(qn, kn, v, decay, beta_t, *, interpret, scale=1.0, l2norm=False)
 
     with jax.named_scope("a_matrices"):
       def sub_chunk_pass(a, acc):
-        # a rolled loop: the kernel's code is large enough that its size costs time (the
-        # substitution loop below ran 2x slower fully unrolled)
+        # a rolled loop: the kernel's code is large enough that its size costs time (see the
+        # docstring)
         a_qk, a_kk = acc
         ref_a = plgpu.load(gr_s.at[a], layout=_L.WGMMA.reduce(0))          # r_a
         expo = jnp.minimum(lax.broadcast_in_dim(ref_a, (c, kd), [1])
@@ -586,12 +589,9 @@ def _intra_call(qn, kn, v, decay, beta_t, *, interpret, scale=1.0, l2norm=False)
       # B = _INV_BLOCK rows, No below them; then I + N = (I + Nd)(I + D No) with
       # D = (I + Nd)^-1, and M = D No is strictly block-lower (M^(c/B) = 0), so
       #   T = (I + M)^-1 D = (I - M)(I + M^2)(I + M^4)... D.
-      # D comes from a forward substitution in fp32 on D^T held in registers, all diagonal
-      # blocks at once and only they: dt[r, t] = D^T[r, base(r) + t], base(r) the first row
-      # of r's block (a quarter of the full tile's work a step). Step s sets column s of
-      # every block (row base(r) + s of N, read from SMEM, supplies r's block); a sum runs
-      # along a register row (a thread's columns, then its quad), so a step needs no
-      # cross-warp traffic. The products are 3-pass bf16 wgmmas (64x64x64).
+      # D comes from a forward substitution in fp32 registers on the diagonal blocks only:
+      # dt[r, t] = D^T[r, base(r) + t], base(r) the first row of r's block
+      # (`diag_block_inverse_t`). The products are 3-pass bf16 wgmmas (64x64x64).
       n_s[...] = nmat
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)                # A_qk (m5) read
       base_r = functools.reduce(lambda acc, b: jnp.where(row_v >= b * blk, b * blk, acc),
@@ -601,22 +601,8 @@ def _intra_call(qn, kn, v, decay, beta_t, *, interpret, scale=1.0, l2norm=False)
       p1[...] = no_hi
       p2[...] = no_lo
       plgpu.commit_smem()
-      col_t = plgpu.broadcasted_iota(jnp.int32, (blk,), 0, layout=_L.WGMMA.reduce(0))
-
-      def substitute(s, dt):
-        n_comb = None                                                # N[base(r) + s, base(r) + t]
-        for b in range(nblk):
-          row = plgpu.load(n_s.at[b * blk + s, pl.ds(b * blk, blk)], layout=_L.WGMMA.reduce(0),
-                           optimized=False)
-          row = lax.broadcast_in_dim(row, (c, blk), [1])
-          n_comb = row if b == 0 else jnp.where(in_rows(b * blk, c, blk), row, n_comb)
-        col = jnp.where(row_v == base_r + s, 1.0, 0.0) - jnp.sum(dt * n_comb, axis=1)
-        hit = lax.broadcast_in_dim(col_t == s, (c, blk), [1])
-        return jnp.where(hit, lax.broadcast_in_dim(col, (c, blk), [0]), dt)
-
       with jax.named_scope("diagonal"):
-        dt = lax.fori_loop(0, blk, substitute,
-                           plgpu.layout_cast(jnp.zeros((c, blk), f32), _L.WGMMA), unroll=2)
+        dt = diag_block_inverse_t(n_s, interpret=interpret)
         in_block = (cols_c() >= base_rc()) & (cols_c() < base_rc() + blk)
         dt = jnp.where(in_block, jnp.concatenate([dt] * nblk, axis=1), 0.0)   # D^T [c, c]
       d_hi, d_lo = split_bf(dt)
