@@ -20,7 +20,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, memref, vector
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import hand_synced, interpret_kwargs
@@ -43,6 +48,65 @@ def cumsum_rows(tile):
 
   lax.fori_loop(0, tile.shape[0] // _BLOCK, block,
                 plgpu.layout_cast(jnp.zeros((COLS,), jnp.float32), ROW))
+
+
+SWIZZLED_TILE = (8, 32)     # the f32 tiling of a swizzled tile: 8 rows of one 128-byte swizzle atom
+
+
+def cumsum_swizzled_rows(raw, tiled, rows, *, interpret=False):
+  """Inside a Mosaic GPU kernel (one warpgroup): the cumsum over rows, in place, of a [C, 128]
+  f32 tile that sits in SMEM in the layout `tiled` declares, (8, 32) tiles with the 128-byte
+  swizzle (the layout the kernel's WGMMA-layout loads read without bank conflicts). `raw` is
+  the same buffer without transforms. Returns the cumsum's `rows` as [128] vectors, one column
+  per thread (`ROW`).
+
+  On the GPU each thread walks its own column, left to right in fp32 (as `cumsum_rows`), at the
+  swizzled addresses, so no thread touches another's elements and the walk needs no barrier;
+  the TMA load can write the swizzled tile directly. (Walking an unswizzled tile and moving it
+  into the swizzled one took a WGMMA-layout load with 8-way bank conflicts and three barriers.)
+  Interpret mode, which cannot run inline Mosaic GPU code, takes the cumsum of `tiled`."""
+  c = raw.shape[0]
+  if raw.shape != (c, COLS) or c % SWIZZLED_TILE[0]:
+    raise ValueError(f"the swizzled walk serves [8k, {COLS}] tiles, got {raw.shape}")
+  if interpret:
+    acc = jnp.cumsum(tiled[...], axis=0)
+    tiled[...] = acc
+    return tuple(acc[r] for r in rows)
+  out = plgpu.ShapeDtypeStruct((COLS,), jnp.float32, layout=ROW)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=(out,) * len(rows))
+  def walk(_, ref):
+    i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+    cst = lambda v, ty=i32: mgpu_utils.c(v, ty)
+    tr, tc = SWIZZLED_TILE
+    t = arith.andi(mgpu_utils.thread_idx(), cst(COLS - 1))        # this thread's column
+    # element (r, t) of the tiled tile sits at raw position (row, col) with
+    #   row = 8 (r // 8) + 2 (t // 32) + (r % 8) // 4,   col = 32 (r % 4) + swz(t, r % 8),
+    #   swz(t, j) = 4 ((t % 32) // 4 XOR j) + t % 4      (16-byte units XORed with the row)
+    row_t = arith.index_cast(index, arith.muli(arith.shrui(t, cst(5)), cst(COLS // tc // 2)))
+    unit, lane4 = arith.shrui(arith.andi(t, cst(tc - 1)), cst(2)), arith.andi(t, cst(3))
+    swz = [arith.index_cast(index, arith.addi(arith.shli(arith.xori(unit, cst(j)), cst(2)), lane4))
+           for j in range(tr)]
+
+    def at(r):
+      j = r % tr
+      return [arith.addi(row_t, cst(tr * (r // tr) + j * tc // COLS, index)),
+              arith.addi(swz[j], cst(tc * (j % (COLS // tc)), index))]
+
+    acc, picked = None, {}
+    for b in range(0, c, tr):                     # a block's loads first, then its adds
+      vals = [memref.load(ref, at(r)) for r in range(b, b + tr)]
+      for r, x in zip(range(b, b + tr), vals):
+        acc = x if acc is None else arith.addf(acc, x)
+        memref.store(acc, ref, at(r))
+        if r in rows:
+          picked[r] = acc
+    vec = ir.VectorType.get((1,), ir.F32Type.get())
+    return tuple(mgpu_fa.FragmentedArray(
+        _registers=np.array([vector.from_elements(vec, [picked[r]])], dtype=object),
+        _layout=mgpu_fa.WGStridedFragLayout((COLS,), 1), _is_signed=None) for r in rows)
+
+  return walk(raw)
 
 
 def kernel_supported(g) -> bool:

@@ -19,8 +19,8 @@ CTA per (V tile, head, row) runs the Ts tokens and TMA-stores S after every toke
 Chunked prefill (`chunk_kda_pallas`), fla's stage split with stages 3 and 4 fused:
   0.   Input prep: for varlen the gather into sequence-aligned 64-token chunks; at K = 64 the
        chunk-local fp32 cumsum Gamma of g (`chunk_cumsum.py`, Mosaic GPU; at K = 128 the
-       intra-chunk kernel takes it in shared memory, the same walk). bf16 q / k go to
-       the intra-chunk kernel as they are (it l2-normalises and scales them and maps value
+       intra-chunk kernel takes it in shared memory, the same walk on its swizzled tile). bf16
+       q / k go to the intra-chunk kernel as they are (it l2-normalises and scales them and maps value
        heads to q/k heads); other dtypes are normalised, scaled and GVA-expanded by XLA in
        fp32 first (one fused elementwise pass, bf16 out).
   1-2. `_intra_call` (Mosaic GPU, one CTA per (head, chunk), all chunks in parallel):
@@ -75,8 +75,7 @@ from pallas_kernels.common import (
 
 from ._common import L2NORM_EPS, KDACheckpoints, prepare_qk, qk_scale
 from .chunk_cumsum import COLS as CUMSUM_COLS
-from .chunk_cumsum import ROW as CUMSUM_ROW
-from .chunk_cumsum import chunk_cumsum, cumsum_rows
+from .chunk_cumsum import chunk_cumsum, cumsum_swizzled_rows
 from .chunk_cumsum import kernel_supported as cumsum_kernel_supported
 from .diag_inverse import BLOCK as _INV_BLOCK
 from .diag_inverse import diag_block_inverse_t
@@ -436,7 +435,7 @@ def _intra_call(qn, kn, v, decay, beta_t, *, interpret, scale=1.0, l2norm=False)
         I + P (hi | lo) -> w staging
     x4  qg staging -> keys of pass a -> A_qk staging -> N below the blocks, then P (hi | lo)
         -> (beta v)_lo
-    x5  g (f32, unswizzled: the cumsum at K = 128) -> gamma (f32) -> beta exp(G) k (hi | lo)
+    x5  g -> gamma (f32; at K = 128 the cumsum runs in place) -> beta exp(G) k (hi | lo)
         -> u staging (f32)
   and v is only read once the inverse starts.
   """
@@ -465,11 +464,11 @@ def _intra_call(qn, kn, v, decay, beta_t, *, interpret, scale=1.0, l2norm=False)
     g_s, (rh_s, rl_s), g_raw = x5
     v_s = v_f32 if v_own else x1
     # Gamma rows used as per-column vectors (sub-chunk references, last row) live in their own
-    # buffer gr_s: g_s is swizzled, and only an unswizzled tile can be read by rows.
+    # buffer gr_s: g_s is swizzled, and Pallas reads only an unswizzled tile by rows.
     with jax.named_scope("load"):
       plgpu.copy_gmem_to_smem(q_ref.at[ch, :, h // group, :], x1, bar.at[0])
       plgpu.copy_gmem_to_smem(k_ref.at[ch, :, h // group, :], k_s, bar.at[0])
-      plgpu.copy_gmem_to_smem(g_ref.at[ch, :, h, :], g_raw if raw_g else g_s, bar.at[0])
+      plgpu.copy_gmem_to_smem(g_ref.at[ch, :, h, :], g_s, bar.at[0])
       plgpu.copy_gmem_to_smem(b_ref.at[ch, h], b_s, bar.at[0])
       if not raw_g:
         for i, row in enumerate(ref_rows):
@@ -478,19 +477,12 @@ def _intra_call(qn, kn, v, decay, beta_t, *, interpret, scale=1.0, l2norm=False)
       plgpu.barrier_wait(bar.at[0])
     if raw_g:
       with jax.named_scope("cumsum"):
-        # Gamma in place in the unswizzled tile (one column per thread, as `chunk_cumsum`),
-        # then moved into the swizzled g_s that the WGMMA-layout loads below read without
-        # bank conflicts; the two alias, so every thread reads before any writes
-        with jax.named_scope("walk"):
-          cumsum_rows(g_raw)
-          for i, row in enumerate(ref_rows):      # each thread reads the column it wrote
-            gr_s[i] = plgpu.load(g_raw.at[row], (), layout=CUMSUM_ROW)
-          plgpu.commit_smem()
-        with jax.named_scope("swizzle"):
-          gam = plgpu.load(g_raw, layout=_L.WGMMA, optimized=False)
-          plgpu.commit_smem()
-          g_s[...] = gam
-          plgpu.commit_smem()
+        # Gamma in place in the swizzled g_s, each thread walking its column (`g_raw` is the
+        # same buffer without transforms); each thread reads the reference rows it wrote
+        refs = cumsum_swizzled_rows(g_raw, g_s, ref_rows, interpret=interpret)
+        for i, vec in enumerate(refs):
+          gr_s[i] = vec
+        plgpu.commit_smem()
 
     def split3(x_hi, x_lo, y_hi, y_lo, n_out):
       """The 3-pass product hi*hi + hi*lo + lo*hi as one `_mm` group."""
