@@ -430,11 +430,11 @@ def _intra_call(qn, kn, v, decay, beta_t, *, interpret, scale=1.0, l2norm=False)
   reused in place as the stage goes,
     x1  q -> q exp(G - r_row) -> v -> (beta v)_hi          (f32 v: its own buffer)
     x2  k -> D, then T (hi | lo)
-    x3  kg staging -> k exp(G - r_row) -> N (f32, its diagonal blocks' rows read by every
-        thread of a warp in the substitution) ->
-        I + P (hi | lo) -> w staging
-    x4  qg staging -> keys of pass a -> A_qk staging -> N below the blocks, then P (hi | lo)
-        -> (beta v)_lo
+    x3  kg staging -> keys of pass a -> N (f32, its diagonal blocks' rows read by every
+        thread of a warp in the substitution) -> I + P (hi | lo) -> w staging
+    x4  qg staging (its TMA store issued first, so that it has read the buffer by the time
+        k exp(G - r_row) goes there) -> k exp(G - r_row) -> A_qk staging -> N below the
+        blocks, then P (hi | lo) -> (beta v)_lo
     x5  g -> gamma (f32; at K = 128 the cumsum runs in place) -> beta exp(G) k (hi | lo)
         -> u staging (f32)
   and v is only read once the inverse starts.
@@ -530,18 +530,19 @@ def _intra_call(qn, kn, v, decay, beta_t, *, interpret, scale=1.0, l2norm=False)
       rowexp = jnp.exp(jnp.minimum(gam - rref, _EXP_CLAMP))
       q = prepared(x1, scale, keep=False)
       t3[...] = (q * jnp.exp(gam)).astype(bf)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(t3, qg_ref.at[ch, h])
       x1[...] = (q * rowexp).astype(bf)
       k = prepared(k_s, 1.0, keep=True)
       glast = ref_vec(c - 1)
       t2[...] = (k * jnp.exp(lax.broadcast_in_dim(glast, (c, kd), [1]) - gam)).astype(bf)
       gl_s[...] = jnp.exp(glast)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(t3, qg_ref.at[ch, h])
       plgpu.copy_smem_to_gmem(t2, kg_ref.at[ch, h])
       plgpu.copy_smem_to_gmem(gl_s, gl_ref.at[ch, h])
       k_row = (k * rowexp).astype(bf)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)                # qg (t3), kg (t2) read
-      t2[...] = k_row
+      plgpu.wait_smem_to_gmem(2, wait_read_only=True)                # qg (t3) read
+      t3[...] = k_row
 
     with jax.named_scope("a_matrices"):
       def sub_chunk_pass(a, acc):
@@ -553,12 +554,14 @@ def _intra_call(qn, kn, v, decay, beta_t, *, interpret, scale=1.0, l2norm=False)
                            - plgpu.load(g_s, layout=_L.WGMMA), _EXP_CLAMP)
         # keys after sub-chunk a meet its rows only above the diagonal, where their products
         # (which can overflow: both factors up to exp(85)) are masked out
-        t3[...] = (tile(k_s) * jnp.exp(expo)).astype(bf)
+        keys = (tile(k_s) * jnp.exp(expo)).astype(bf)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)                # kg (t2) read (pass 0)
+        t2[...] = keys
         plgpu.commit_smem()
-        keys = t3.transpose((1, 0))
+        keys = t2.transpose((1, 0))
         mine = in_rows(a * _SUB, (a + 1) * _SUB, c)
-        p_qk, p_kk = _mm(((c, c), (x1, keys)), ((c, c), (t2, keys)),
-                         sync=True)                             # t3, x1 rewritten next
+        p_qk, p_kk = _mm(((c, c), (x1, keys)), ((c, c), (t3, keys)),
+                         sync=True)                             # t2, x1 rewritten next
         return jnp.where(mine, p_qk, a_qk), jnp.where(mine, p_kk, a_kk)
 
       zero = plgpu.layout_cast(jnp.zeros((c, c), f32), _L.WGMMA)
