@@ -197,18 +197,25 @@ def _verify_call(q, k, v, g, beta, pool, slots, reset, *, interpret):
   return call(q, k, v, g, beta, slots, reset, pool)
 
 
-# Decode's persistent form: V tile, ring slots per CTA, CTAs resident per SM (3 x 4 x 16 KiB
-# of fp32 [128, 32] state tiles). H200, HV = 32, K = V = 128, kernel time in one process, bit-
-# identical outputs: N = 64 76.4 µs (one CTA per tile: 81.4), N = 256 289.5 µs (298.0), N = 1
-# 2.95 µs (2.88); the best of 8 (V tile, slots, CTAs per SM) configurations at N = 256 (64, 3, 2)
-# was 1 % faster, at N = 64 5 % slower.
-_STREAM_VT, _STREAM_STAGES, _STREAM_CTAS_PER_SM = 32, 4, 3
+# Decode's persistent form, (V tile, ring slots per CTA, CTAs resident per SM): 3 x 4 x 16 KiB
+# of fp32 [128, 32] state tiles, or 2 x 3 x 32 KiB of [128, 64] ones from _STREAM_WIDE_ROWS
+# rows x heads on. H200, HV = 32, K = V = 128, kernel time in one process, bit-identical
+# outputs (RESULTS.md parts 16, 20): N = 64 narrow 76.0 µs (3.53 TB/s of state read + written),
+# wide 77.5; N = 256 narrow 298.3 µs, wide 284.6 (3.77 TB/s; XLA's elementwise pass over the
+# same bytes: 3.83 TB/s); N = 1 narrow 2.95 µs (one CTA per tile: 2.88).
+_STREAM_NARROW, _STREAM_WIDE = (32, 4, 3), (64, 3, 2)
+_STREAM_WIDE_ROWS = 8192
+
+
+def _stream_config(n, hv):
+  """(V tile, ring slots, CTAs per SM) of the persistent decode for n rows of hv heads."""
+  return _STREAM_WIDE if n * hv >= _STREAM_WIDE_ROWS else _STREAM_NARROW
 
 
 def _decode_stream(q, k, v, g, beta, pool, slots, reset, *, interpret):
   """One decode token per row, persistent form: the (row, head, V tile) state tiles are dealt
-  round-robin to at most `num_sms() * _STREAM_CTAS_PER_SM` resident CTAs, and each CTA streams
-  its share through a ring of `_STREAM_STAGES` SMEM slots (TMA loads of the next tiles and the
+  round-robin to at most `num_sms()` x (CTAs per SM) resident CTAs, and each CTA streams its
+  share through a ring of SMEM slots (`_stream_config`; TMA loads of the next tiles and the
   TMA stores of the previous ones run under the current tile's update). A grid of one CTA per
   tile loads, updates and stores each tile in turn and stays below HBM speed even with no math.
 
@@ -218,11 +225,11 @@ def _decode_stream(q, k, v, g, beta, pool, slots, reset, *, interpret):
   """
   n, _, hv, kd = q.shape
   vd = v.shape[-1]
-  vt = min(_STREAM_VT, vd)
-  stages = _STREAM_STAGES
+  vt, stages, per_sm = _stream_config(n, hv)
+  vt = min(vt, vd)
   nj = vd // vt
   items = n * hv * nj
-  ctas = min(items, num_sms() * _STREAM_CTAS_PER_SM)
+  ctas = min(items, num_sms() * per_sm)
   f32 = jnp.float32
 
   def kda_stream(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, pool_ref, o_ref, *,

@@ -107,6 +107,14 @@ def test_chunk_kernel_scan_tile_widths_agree(monkeypatch):
 # -------------------------------------------------------------------------- decode
 
 
+def _resident_ctas(monkeypatch, ctas):
+  """The persistent decode as `ctas` CTAs in all (one SM, `ctas` per SM, either tile width)."""
+  monkeypatch.setattr(kernel, "num_sms", lambda: 1)
+  for name in ("_STREAM_NARROW", "_STREAM_WIDE"):
+    vt, stages, _ = getattr(kernel, name)
+    monkeypatch.setattr(kernel, name, (vt, stages, ctas))
+
+
 @pytest.mark.parametrize("kd,dtype,wide,ctas", [(64, jnp.bfloat16, False, None),
                                                  (128, jnp.float32, False, None),
                                                  (128, jnp.bfloat16, True, None),
@@ -119,10 +127,9 @@ def test_decode_kernel_matches_oracle_and_isolates_slots(kd, dtype, wide, ctas, 
   persistent CTAs (6, 5, 5 tiles each: uneven shares, more tiles than ring slots) instead of
   one CTA per tile."""
   if wide:
-    monkeypatch.setattr(kernel, "_STREAM_VT", 64)
+    monkeypatch.setattr(kernel, "_STREAM_WIDE_ROWS", 0)
   if ctas:
-    monkeypatch.setattr(kernel, "num_sms", lambda: 1)
-    monkeypatch.setattr(kernel, "_STREAM_CTAS_PER_SM", ctas)
+    _resident_ctas(monkeypatch, ctas)
   n = 4
   q, k, v, g, beta = make_inputs(lead=(n,), h=1, hv=2, kd=kd, vd=kd, seed=kd, dtype=dtype)
   pool = rand_state(6, 2, kd, kd)
@@ -212,8 +219,7 @@ def test_kernels_order_tma_traffic_without_races(kd, monkeypatch):
       states.append(self)
 
   monkeypatch.setattr(gpu_callbacks, "GPURaceDetectionState", Recorded)
-  monkeypatch.setattr(kernel, "num_sms", lambda: 1)       # decode: ring refills in each CTA
-  monkeypatch.setattr(kernel, "_STREAM_CTAS_PER_SM", 1)
+  _resident_ctas(monkeypatch, 1)                          # decode: ring refills in each CTA
   races = plgpu.InterpretGPUParams(detect_races=True)
   lens = [130, 15]
   q, k, v, g, beta = make_inputs(t=sum(lens), h=1, kd=kd, vd=kd, seed=3, dtype=jnp.bfloat16)
@@ -263,7 +269,7 @@ def test_gpu_compiled_prefill_matches_reference(kd):
 def test_gpu_compiled_decode_verify_match_reference(wide, monkeypatch):
   if wide:
     monkeypatch.setattr(kernel, "_NARROW_STEP_ROWS", 0)
-    monkeypatch.setattr(kernel, "_STREAM_VT", 64)
+    monkeypatch.setattr(kernel, "_STREAM_WIDE_ROWS", 0)
   n, hv, kd = 64, 8, 128
   q, k, v, g, beta = make_inputs(lead=(n,), h=hv, kd=kd, vd=kd, seed=1)
   pool = rand_state(n + 1, hv, kd, kd)
