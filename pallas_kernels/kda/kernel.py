@@ -20,15 +20,16 @@ Chunked prefill (`chunk_kda_pallas`), fla's stage split with stages 3 and 4 fuse
   0.   Input prep: for varlen the gather into sequence-aligned 64-token chunks; at K = 64 the
        chunk-local fp32 cumsum Gamma of g (`chunk_cumsum.py`, Mosaic GPU; at K = 128 the
        intra-chunk kernel takes it in shared memory, the same walk on its swizzled tile). bf16
-       q / k go to the intra-chunk kernel as they are (it l2-normalises and scales them and maps value
-       heads to q/k heads); other dtypes are normalised, scaled and GVA-expanded by XLA in
-       fp32 first (one fused elementwise pass, bf16 out).
+       q / k go to the intra-chunk kernel as they are (it l2-normalises and scales them and
+       maps value heads to q/k heads); other dtypes are normalised, scaled and GVA-expanded
+       by XLA in fp32 first (one fused elementwise pass, bf16 out).
   1-2. `_intra_call` (Mosaic GPU, one CTA per (head, chunk), all chunks in parallel):
        A_qk / A_kk with the 32-token sub-chunk reference trick (exp(Gamma_i - r) *
        exp(r - Gamma_j), r = Gamma at the middle token of row i's sub-chunk; 2 passes of 2
        wgmmas), T = (I + A_kk)^-1 Diag(beta) blocked: the 16x16 diagonal blocks by fp32
        forward substitution, each thread solving for the columns it holds (`diag_inverse.py`),
-       the rest by four 3-pass bf16 products (hi*hi + hi*lo + lo*hi); w = T (exp(Gamma) k) and u = T v in 3 passes.
+       the rest by four 3-pass bf16 products (hi*hi + hi*lo + lo*hi); w = T (exp(Gamma) k) and
+       u = T v in 3 passes.
        Independent wgmmas are issued together before one wait (`_mm`); exponentials use the
        approximate ex2 path (outputs within ~1e-5 relative of exact expf on the H200, far below
        the bf16 operand rounding), which cut the stage by a quarter. The CTA fits twice per SM
@@ -420,16 +421,18 @@ def _intra_call(qn, kn, v, decay, beta_t, *, interpret, scale=1.0, l2norm=False)
     T = (I + N)^-1, N = Diag(beta) A_kk strictly lower: D, the inverse of N's 16x16 diagonal
       blocks, by forward substitution in fp32 registers, each thread for the two columns of D
       its rows of D^T hold (`diag_block_inverse_t`; 1.07x faster than a 16-step substitution
-      of whole register rows at T = 32K, H = 32), then T = (I - M)(I + M^2) D with M = D (N below the blocks), three
-      3-pass products after M's (1.13x faster than the 64-step substitution of all of T at
-      T = 32K, H = 32; 8x8 blocks with one product more were 1 % slower);
+      of whole register rows at T = 32K, H = 32), then T = (I - M)(I + M^2) D with
+      M = D (N below the blocks), three 3-pass products after M's (1.13x faster than the
+      64-step substitution of all of T at T = 32K, H = 32; 8x8 blocks with one product more
+      were 1 % slower);
     machine code size is a limit of this kernel: with the sub-chunk passes unrolled it was
       125 KiB (sm_90a), and unrolling a 64-step substitution loop 4, 8 or 64 times (128.5 /
-      135 / 185 KiB) made the prefill 7 % / 50 % / 100 % slower, a cliff at ~128 KiB consistent with the SM's
-      instruction cache; adding the q/k l2-normalisation to that form (135 KiB) made it 40 %
-      slower. So the sub-chunk passes and reference rows run as loops: 95 KiB with the
-      l2-normalisation, 8 % faster than the unrolled form without it (RESULTS.md part 15);
-      code added here should keep the kernel well below 128 KiB;
+      135 / 185 KiB) made the prefill 7 % / 50 % / 100 % slower, a cliff at ~128 KiB
+      consistent with the SM's instruction cache; adding the q/k l2-normalisation to that form
+      (135 KiB) made it 40 % slower. So the sub-chunk passes and reference rows run as loops:
+      95 KiB with the l2-normalisation, 8 % faster than the unrolled form without it (RESULTS.md
+      part 15); 106 KiB (6776 instructions) with the straight-line block inverse and cumsum
+      walk of part 20. Code added here should keep the kernel well below 128 KiB;
     w = T (beta exp(G) k), u = T (beta v) in 3 bf16 passes (hi*hi + hi*lo + lo*hi, ~16-bit
       mantissa).
   The chain of small dependent steps leaves one warpgroup mostly waiting, so the CTA is

@@ -1,6 +1,7 @@
-"""The chunk-local cumsum kernel of the KDA prefill (Mosaic GPU interpret mode on CPU; `gpu`:
-compiled). It sums each chunk's rows left to right in fp32, so it must equal NumPy's sequential
-float32 accumulation bit for bit."""
+"""The chunk-local cumsum of the KDA prefill (Mosaic GPU interpret mode on CPU; `gpu`: compiled):
+the stand-alone kernel and the walk the intra-chunk kernel runs on its swizzled tile. On the GPU
+both sum each column left to right in fp32, so they must equal NumPy's sequential float32
+accumulation bit for bit."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,16 @@ import pytest
 from test_kda import make_inputs, rel_err
 
 from pallas_kernels.kda import chunk_kda
-from pallas_kernels.kda.chunk_cumsum import chunk_cumsum, kernel_supported
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import hand_synced, interpret_kwargs
+from pallas_kernels.kda.chunk_cumsum import (
+  COLS,
+  SWIZZLED_TILE,
+  chunk_cumsum,
+  cumsum_swizzled_rows,
+  kernel_supported,
+)
 from pallas_kernels.kda.oracle import kda_oracle
 
 
@@ -22,6 +32,48 @@ def test_chunk_cumsum_equals_sequential_fp32_sum(shape):
   g = _gates(shape, seed=shape[2])
   y = chunk_cumsum(jnp.asarray(g), interpret=jax.default_backend() != "gpu")
   np.testing.assert_array_equal(np.asarray(y), np.cumsum(g, axis=1, dtype=np.float32))
+
+
+def _swizzled_walk(g, rows, interpret):
+  """g [C, 128] f32 -> (its cumsum over rows, those rows), from `cumsum_swizzled_rows` in a
+  kernel whose tile is TMA-loaded in the (8, 32)-tiled, 128-byte-swizzled layout."""
+  c = g.shape[0]
+  f32 = jnp.float32
+  swizzled = (plgpu.TilingTransform(SWIZZLED_TILE), plgpu.SwizzleTransform(128))
+
+  def body(g_ref, o_ref, r_ref, tile, rows_s, bar):
+    g_s, g_raw = tile
+    plgpu.copy_gmem_to_smem(g_ref, g_s, bar.at[0])
+    plgpu.barrier_wait(bar.at[0])
+    for i, vec in enumerate(cumsum_swizzled_rows(g_raw, g_s, rows, interpret=interpret)):
+      rows_s[i] = vec
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(g_s, o_ref)
+    plgpu.copy_smem_to_gmem(rows_s, r_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+  call = plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((c, COLS), f32), jax.ShapeDtypeStruct((len(rows), COLS), f32)),
+      scratch_types={"tile": plgpu.RefUnion(plgpu.SMEM((c, COLS), f32, transforms=swizzled),
+                                            plgpu.SMEM((c, COLS), f32)),
+                     "rows_s": plgpu.SMEM((len(rows), COLS), f32),
+                     "bar": plgpu.Barrier(num_arrivals=1, num_barriers=1)},
+      compiler_params=hand_synced(), **interpret_kwargs(interpret))
+  return (np.asarray(x) for x in call(jnp.asarray(g)))
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
+def test_swizzled_walk_equals_sequential_fp32_sum(interpret):
+  g = _gates((64, COLS), seed=7)
+  rows = (16, 48, 63)
+  y, picked = _swizzled_walk(g, rows, interpret)
+  want = np.cumsum(g, axis=0, dtype=np.float32)
+  if interpret:    # jnp.cumsum's order of additions is XLA's
+    np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-4)
+  else:
+    np.testing.assert_array_equal(y, want)
+  np.testing.assert_array_equal(picked, y[list(rows)])
 
 
 def test_chunk_cumsum_rejects_partial_column_groups():
