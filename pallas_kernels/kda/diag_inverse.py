@@ -3,7 +3,8 @@
 N [C, C] (C = 64) is strictly lower triangular (Diag(beta) A_kk); Nd is its four 16 x 16
 diagonal blocks and D = (I + Nd)^-1, block-diagonal and unit lower triangular. The kernel needs
 D^T on the blocks only, as `dt[r, t] = D^T[r, base(r) + t] = D[base(r) + t, r]`, base(r) the
-first row of r's block (models.md, KDA; kernels.md, the WY inverse).
+first row of r's block (reference/kernels.md §2.2: the chunked WY form, 16x16 diagonal
+blocks in fp32).
 
 On the GPU every thread solves for the columns of D that its WGMMA-layout rows of dt hold:
 row r = 16 w + l // 4 (+ 8) of warp w, lane l is the solution x of (I + Nd_w) x = e_j,
