@@ -64,14 +64,18 @@ def cumsum_swizzled_rows(raw, tiled, rows, *, interpret=False):
   swizzled addresses, so no thread touches another's elements and the walk needs no barrier;
   the TMA load can write the swizzled tile directly. (Walking an unswizzled tile and moving it
   into the swizzled one took a WGMMA-layout load with 8-way bank conflicts and three barriers.)
-  Interpret mode, which cannot run inline Mosaic GPU code, takes the cumsum of `tiled`."""
+  Interpret mode, which cannot run inline Mosaic GPU code, sums the rows of `tiled` in the
+  same order (so both are bit-equal to a sequential fp32 sum)."""
   c = raw.shape[0]
   if raw.shape != (c, COLS) or c % SWIZZLED_TILE[0]:
     raise ValueError(f"the swizzled walk serves [8k, {COLS}] tiles, got {raw.shape}")
   if interpret:
-    acc = jnp.cumsum(tiled[...], axis=0)
-    tiled[...] = acc
-    return tuple(acc[r] for r in rows)
+    x = tiled[...]
+    sums = [x[0]]
+    for r in range(1, c):
+      sums.append(sums[-1] + x[r])
+    tiled[...] = jnp.stack(sums)
+    return tuple(sums[r] for r in rows)
   out = plgpu.ShapeDtypeStruct((COLS,), jnp.float32, layout=ROW)
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=(out,) * len(rows))
