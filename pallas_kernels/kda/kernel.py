@@ -7,11 +7,12 @@ All order their shared-memory traffic themselves (`hand_synced`: Pallas's automa
 around every SMEM store made the prefill 6 % slower at T = 32K, H = 32, outputs bit-identical).
 
 Decode and verify update fp32 state tiles S [K, Vt] of `state_pool[slots[n], h]` with one
-warpgroup, S in registers (WGMMA register layout; row broadcasts of g/k/q, column broadcasts
-of v', reductions over K). Decode (`_decode_stream`) is persistent: each resident CTA streams
-its round-robin share of the (row, head, V tile) tiles through a ring of SMEM slots (TMA loads
-ahead, TMA stores back into the same slot: the pool is a `jax.new_ref` aliased to the output,
-so the update is in place when the caller donates the pool). State traffic is exactly one read
+warpgroup, S in registers (row broadcasts of g/k/q, column broadcasts of v', reductions over
+K). Decode (`_decode_stream`) is persistent: each resident CTA streams its round-robin share
+of the (row, head, V tile) tiles through a ring of SMEM slots (TMA loads ahead, TMA stores
+back into the same slot: the pool is a `jax.new_ref` aliased to the output, so the update is
+in place when the caller donates the pool); its threads own columns of the tile
+(`_column_layout`), verify's the WGMMA layout. State traffic is exactly one read
 and one write of the state per call -- the roofline for this op. Verify (`_verify_call`): one
 CTA per (V tile, head, row) runs the Ts tokens and TMA-stores S after every token into
 `states` (V tiles of 32 columns for small batches, 64 otherwise: `_step_v_tile`).
@@ -198,43 +199,59 @@ def _verify_call(q, k, v, g, beta, pool, slots, reset, *, interpret):
   return call(q, k, v, g, beta, slots, reset, pool)
 
 
-# Decode's persistent form, (V tile, ring slots per CTA, CTAs resident per SM): 3 x 4 x 16 KiB
-# of fp32 [128, 32] state tiles, or 2 x 3 x 32 KiB of [128, 64] ones from _STREAM_WIDE_ROWS
-# rows x heads on. H200, HV = 32, K = V = 128, kernel time in one process, bit-identical
-# outputs (RESULTS.md parts 16, 20): N = 64 narrow 76.0 µs (3.53 TB/s of state read + written),
-# wide 77.5; N = 256 narrow 298.3 µs, wide 284.6 (3.77 TB/s; XLA's elementwise pass over the
-# same bytes: 3.83 TB/s); N = 1 narrow 2.95 µs (one CTA per tile: 2.88).
-_STREAM_NARROW, _STREAM_WIDE = (32, 4, 3), (64, 3, 2)
-_STREAM_WIDE_ROWS = 8192
+# Decode's persistent form, (V tile, ring slots per CTA): fp32 [K, 32] state tiles, or whole
+# [K, V] states from _WHOLE_STATE_ROWS rows x heads on; as many CTAs per SM as fill
+# _STREAM_RING_BYTES (K = V = 128: 3 x 4 x 16 KiB, or 1 x 3 x 64 KiB). H200, HV = 32, K = V =
+# 128, kernel time in one process (RESULTS.md part 21), µs for [K, 32] / [K, 64] (two CTAs per
+# SM) / whole states: N = 64 74.1 / 72.9 / 72.4, N = 128 148.4 / 143.3 / 139.7, N = 256 298.8 /
+# 283.3 / 274.1 (3.92 TB/s of state read + written; a device-to-device copy of the same bytes:
+# 4.2 TB/s); another run: N = 16 14.1 / 14.4 / 14.9, N = 32 37.5 / 37.3 / 38.0.
+_STREAM_NARROW, _STREAM_WHOLE = (32, 4), (None, 3)
+_WHOLE_STATE_ROWS = 2048
+_STREAM_RING_BYTES = 192 * 1024
 
 
-def _stream_config(n, hv):
+def _stream_config(n, hv, kd, vd):
   """(V tile, ring slots, CTAs per SM) of the persistent decode for n rows of hv heads."""
-  return _STREAM_WIDE if n * hv >= _STREAM_WIDE_ROWS else _STREAM_NARROW
+  vt, stages = _STREAM_WHOLE if n * hv >= _WHOLE_STATE_ROWS else _STREAM_NARROW
+  vt = min(vt or vd, vd)
+  return vt, stages, max(1, _STREAM_RING_BYTES // (stages * kd * vt * 4))
 
 
-def _decode_stream(q, k, v, g, beta, pool, slots, reset, *, interpret):
+def _column_layout(kd, vt):
+  """Register layout of an fp32 [K, Vt] state tile (Vt a multiple of 32) in which each thread
+  holds K / 4 consecutive rows of Vt / 32 adjacent columns: warp w owns rows [w K/4, (w+1) K/4),
+  lane l columns [l Vt/32, (l+1) Vt/32). Reductions over K are in-thread adds plus one
+  cross-warp step (the WGMMA layout spreads K over 8 lanes and 4 warps: shuffles on every
+  column), and a warp's row access is one contiguous Vt x 4-byte run of shared memory, free of
+  bank conflicts without a swizzle."""
+  return _L.TILED(plgpu.Tiling(((kd, vt), (kd // 4, vt), (vt // 32,))), warp_dims=(-5,),
+                  lane_dims=(-2,), vector_dim=-1)
+
+
+def _decode_stream(q, k, v, eg, beta, pool, slots, reset, *, interpret):
   """One decode token per row, persistent form: the (row, head, V tile) state tiles are dealt
   round-robin to at most `num_sms()` x (CTAs per SM) resident CTAs, and each CTA streams its
   share through a ring of SMEM slots (`_stream_config`; TMA loads of the next tiles and the
   TMA stores of the previous ones run under the current tile's update). A grid of one CTA per
   tile loads, updates and stores each tile in turn and stays below HBM speed even with no math.
 
-  q, k, g [N,1,HV,K] f32 (q pre-scaled / normalised); v [N,1,HV,V] f32; beta [N,1,HV] f32;
+  q, k [N,1,HV,K] f32 (q pre-scaled / normalised); eg = exp(g) [N,1,HV,K] f32; v [N,1,HV,V] f32;
+  beta [N,1,HV] f32;
   pool [S,HV,K,V] f32 (updated in place); slots, reset [N] int32.
   Returns (o [N,1,HV,V] f32, new pool).
   """
   n, _, hv, kd = q.shape
   vd = v.shape[-1]
-  vt, stages, per_sm = _stream_config(n, hv)
-  vt = min(vt, vd)
+  vt, stages, per_sm = _stream_config(n, hv, kd, vd)
   nj = vd // vt
   items = n * hv * nj
   ctas = min(items, num_sms() * per_sm)
   f32 = jnp.float32
+  lay = _column_layout(kd, vt)
 
-  def kda_stream(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, pool_ref, o_ref, *,
-                 s_smem, q_smem, k_smem, g_smem, v_smem, bar):
+  def kda_stream(q_ref, k_ref, v_ref, eg_ref, b_ref, slot_ref, reset_ref, pool_ref, o_ref, *,
+                 s_smem, q_smem, k_smem, eg_smem, v_smem, bar):
     c = lax.axis_index("c")
     mine = lax.div(items - c + ctas - 1, ctas)       # items c, c + ctas, c + 2 ctas, ...
 
@@ -249,7 +266,7 @@ def _decode_stream(q, k, v, g, beta, pool, slots, reset, *, interpret):
       plgpu.copy_gmem_to_smem(pool_ref.at[slot_ref[r], h, :, cols], s_smem.at[sx], b)
       plgpu.copy_gmem_to_smem(q_ref.at[r, :, h, :], q_smem.at[sx], b)
       plgpu.copy_gmem_to_smem(k_ref.at[r, :, h, :], k_smem.at[sx], b)
-      plgpu.copy_gmem_to_smem(g_ref.at[r, :, h, :], g_smem.at[sx], b)
+      plgpu.copy_gmem_to_smem(eg_ref.at[r, :, h, :], eg_smem.at[sx], b)
       plgpu.copy_gmem_to_smem(v_ref.at[r, :, h, cols], v_smem.at[sx], b)
 
     for p in range(stages):
@@ -269,14 +286,14 @@ def _decode_stream(q, k, v, g, beta, pool, slots, reset, *, interpret):
       sx = lax.rem(i, stages)
       r, h, cols = where(i)
       plgpu.barrier_wait(bar.at[sx])
-      s = plgpu.load(s_smem.at[sx], layout=_L.WGMMA)                 # [K, Vt] f32
+      s = plgpu.load(s_smem.at[sx], layout=lay)                      # [K, Vt] f32
       s = jnp.where(jnp.broadcast_to(reset_ref[r] != 0, (kd, vt)), jnp.zeros_like(s), s)
-      gv = plgpu.load(g_smem.at[sx, 0], layout=_L.WGMMA.reduce(1))    # [K]
-      kv = plgpu.load(k_smem.at[sx, 0], layout=_L.WGMMA.reduce(1))
-      qv = plgpu.load(q_smem.at[sx, 0], layout=_L.WGMMA.reduce(1))
-      vv = plgpu.load(v_smem.at[sx, 0], layout=_L.WGMMA.reduce(0))    # [Vt]
+      ev = plgpu.load(eg_smem.at[sx, 0], layout=lay.reduce(1))         # [K] exp(g)
+      kv = plgpu.load(k_smem.at[sx, 0], layout=lay.reduce(1))
+      qv = plgpu.load(q_smem.at[sx, 0], layout=lay.reduce(1))
+      vv = plgpu.load(v_smem.at[sx, 0], layout=lay.reduce(0))         # [Vt]
       kb = lax.broadcast_in_dim(kv, (kd, vt), [0])
-      s = s * lax.broadcast_in_dim(jnp.exp(gv), (kd, vt), [0])
+      s = s * lax.broadcast_in_dim(ev, (kd, vt), [0])
       ks = jnp.sum(s * kb, axis=0)                                   # k^T S  [Vt]
       vn = jnp.broadcast_to(b_ref[r, 0, h], (vt,)) * (vv - ks)
       s = s + kb * lax.broadcast_in_dim(vn, (kd, vt), [1])
@@ -291,10 +308,10 @@ def _decode_stream(q, k, v, g, beta, pool, slots, reset, *, interpret):
     plgpu.wait_smem_to_gmem(0)
 
   scratch = {
-      "s_smem": plgpu.SMEM((stages, kd, vt), f32, transforms=_swizzled(f32, vt)),
+      "s_smem": plgpu.SMEM((stages, kd, vt), f32),
       "q_smem": plgpu.SMEM((stages, 1, kd), f32),
       "k_smem": plgpu.SMEM((stages, 1, kd), f32),
-      "g_smem": plgpu.SMEM((stages, 1, kd), f32),
+      "eg_smem": plgpu.SMEM((stages, 1, kd), f32),
       "v_smem": plgpu.SMEM((stages, 1, vt), f32),
       "bar": plgpu.Barrier(num_arrivals=5, num_barriers=stages),
   }
@@ -304,7 +321,7 @@ def _decode_stream(q, k, v, g, beta, pool, slots, reset, *, interpret):
       compiler_params=hand_synced(approx_math=False),
       **interpret_kwargs(interpret))
   pool_ref = jax.new_ref(pool)
-  o = call(q, k, v, g, beta, slots, reset, pool_ref)
+  o = call(q, k, v, eg, beta, slots, reset, pool_ref)
   return o, pool_ref[...]
 
 
@@ -323,8 +340,8 @@ def kda_decode_pallas(q, k, v, g, beta, state_pool, slots, *, scale=None,
   check_kernel_dims(q.shape[-1], v.shape[-1])
   qf, kf, vf, gf, bf, sl, rs = _prep_step(q, k, v, g, beta, slots, reset, scale=scale,
                                           use_qk_l2norm=use_qk_l2norm)
-  o, pool = _decode_stream(qf[:, None], kf[:, None], vf[:, None], gf[:, None], bf[:, None],
-                           state_pool, sl, rs, interpret=interpret)
+  o, pool = _decode_stream(qf[:, None], kf[:, None], vf[:, None], jnp.exp(gf)[:, None],
+                           bf[:, None], state_pool, sl, rs, interpret=interpret)
   return o[:, 0].astype(v.dtype), pool
 
 

@@ -110,24 +110,23 @@ def test_chunk_kernel_scan_tile_widths_agree(monkeypatch):
 def _resident_ctas(monkeypatch, ctas):
   """The persistent decode as `ctas` CTAs in all (one SM, `ctas` per SM, either tile width)."""
   monkeypatch.setattr(kernel, "num_sms", lambda: 1)
-  for name in ("_STREAM_NARROW", "_STREAM_WIDE"):
-    vt, stages, _ = getattr(kernel, name)
-    monkeypatch.setattr(kernel, name, (vt, stages, ctas))
+  config = kernel._stream_config
+  monkeypatch.setattr(kernel, "_stream_config", lambda *a: config(*a)[:2] + (ctas,))
 
 
 @pytest.mark.parametrize("kd,dtype,wide,ctas", [(64, jnp.bfloat16, False, None),
                                                  (128, jnp.float32, False, None),
                                                  (128, jnp.bfloat16, True, None),
                                                  (64, jnp.float32, False, 3),
-                                                 (128, jnp.float32, True, 3)])
+                                                 (128, jnp.float32, True, 2)])
 def test_decode_kernel_matches_oracle_and_isolates_slots(kd, dtype, wide, ctas, monkeypatch):
   """Rows 0 and 3 pad onto dummy slot 0, row 2 resets reused slot 1. Slots no real row names
-  (2, 3, 5) must be bit-identical afterwards; real rows match the fp32 oracle. wide: 64-column
-  V tiles instead of the default 32-column ones. ctas: the 16 state tiles dealt to 3
-  persistent CTAs (6, 5, 5 tiles each: uneven shares, more tiles than ring slots) instead of
-  one CTA per tile."""
+  (2, 3, 5) must be bit-identical afterwards; real rows match the fp32 oracle. wide: whole-state
+  tiles instead of the default 32-column ones. ctas: the state tiles dealt to that many
+  persistent CTAs instead of one CTA per tile (16 narrow tiles to 3: uneven shares; 8 whole
+  states to 2; more tiles per CTA than ring slots either way)."""
   if wide:
-    monkeypatch.setattr(kernel, "_STREAM_WIDE_ROWS", 0)
+    monkeypatch.setattr(kernel, "_WHOLE_STATE_ROWS", 0)
   if ctas:
     _resident_ctas(monkeypatch, ctas)
   n = 4
@@ -266,11 +265,12 @@ def test_gpu_compiled_prefill_matches_reference(kd):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("wide", [False, True])
-def test_gpu_compiled_decode_verify_match_reference(wide, monkeypatch):
+@pytest.mark.parametrize("kd", [64, 128])
+def test_gpu_compiled_decode_verify_match_reference(wide, kd, monkeypatch):
   if wide:
     monkeypatch.setattr(kernel, "_NARROW_STEP_ROWS", 0)
-    monkeypatch.setattr(kernel, "_STREAM_WIDE_ROWS", 0)
-  n, hv, kd = 64, 8, 128
+    monkeypatch.setattr(kernel, "_WHOLE_STATE_ROWS", 0)
+  n, hv = 64, 8
   q, k, v, g, beta = make_inputs(lead=(n,), h=hv, kd=kd, vd=kd, seed=1)
   pool = rand_state(n + 1, hv, kd, kd)
   slots = jnp.arange(1, n + 1, dtype=jnp.int32)
