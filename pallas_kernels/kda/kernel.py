@@ -11,9 +11,9 @@ warpgroup, S in registers (row broadcasts of g/k/q, column broadcasts of v', red
 K). Decode (`_decode_stream`) is persistent: each resident CTA streams its round-robin share
 of the (row, head, V tile) tiles through a ring of SMEM slots (TMA loads ahead, TMA stores
 back into the same slot: the pool is a `jax.new_ref` aliased to the output, so the update is
-in place when the caller donates the pool); its threads own columns of the tile
-(`_column_layout`), verify's the WGMMA layout. State traffic is exactly one read
-and one write of the state per call -- the roofline for this op. Verify (`_verify_call`): one
+in place when the caller donates the pool). Both hold S with each thread owning columns of
+the tile (`_column_layout`), so the reductions over K stay mostly in-thread. State traffic is
+exactly one read and one write of the state per call -- the roofline for this op. Verify (`_verify_call`): one
 CTA per (V tile, head, row) runs the Ts tokens and TMA-stores S after every token into
 `states` (V tiles of 32 columns for small batches, 64 otherwise: `_step_v_tile`).
 
@@ -133,20 +133,32 @@ def _step_v_tile(n, hv, vd):
 # ------------------------------------------------------------------ decode / verify
 
 
-def _verify_call(q, k, v, g, beta, pool, slots, reset, *, interpret):
+def _column_layout(kd, vt):
+  """Register layout of an fp32 [K, Vt] state tile (Vt a multiple of 32) in which each thread
+  holds K / 4 consecutive rows of Vt / 32 adjacent columns: warp w owns rows [w K/4, (w+1) K/4),
+  lane l columns [l Vt/32, (l+1) Vt/32). Reductions over K are in-thread adds plus one
+  cross-warp step (the WGMMA layout spreads K over 8 lanes and 4 warps: shuffles on every
+  column), and a warp's row access is one contiguous Vt x 4-byte run of shared memory, free of
+  bank conflicts without a swizzle."""
+  return _L.TILED(plgpu.Tiling(((kd, vt), (kd // 4, vt), (vt // 32,))), warp_dims=(-5,),
+                  lane_dims=(-2,), vector_dim=-1)
+
+
+def _verify_call(q, k, v, eg, beta, pool, slots, reset, *, interpret):
   """Ts tokens per row from pool slots, one CTA per (V tile, head, row).
 
-  q, k, g [N,Ts,HV,K] f32 (q pre-scaled / normalised); v [N,Ts,HV,V] f32; beta [N,Ts,HV]
-  f32; pool [S,HV,K,V] f32; slots, reset [N] int32.
+  q, k [N,Ts,HV,K] f32 (q pre-scaled / normalised); eg = exp(g) [N,Ts,HV,K] f32; v
+  [N,Ts,HV,V] f32; beta [N,Ts,HV] f32; pool [S,HV,K,V] f32; slots, reset [N] int32.
   Returns (o [N,Ts,HV,V] f32, states [N,Ts,HV,K,V] f32); the pool is left untouched.
   """
   n, ts, hv, kd = q.shape
   vd = v.shape[-1]
   vt = _step_v_tile(n, hv, vd)
   f32 = jnp.float32
+  lay = _column_layout(kd, vt)
 
-  def kda_step(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, pool_ref, o_ref, st_ref,
-               *, s_smem, q_smem, k_smem, g_smem, v_smem, bar):
+  def kda_step(q_ref, k_ref, v_ref, eg_ref, b_ref, slot_ref, reset_ref, pool_ref, o_ref, st_ref,
+               *, s_smem, q_smem, k_smem, eg_smem, v_smem, bar):
     j = lax.axis_index("vt")
     h = lax.axis_index("h")
     r = lax.axis_index("n")
@@ -155,19 +167,19 @@ def _verify_call(q, k, v, g, beta, pool, slots, reset, *, interpret):
     plgpu.copy_gmem_to_smem(pool_ref.at[slot, h, :, cols], s_smem, bar.at[0])
     plgpu.copy_gmem_to_smem(q_ref.at[r, :, h, :], q_smem, bar.at[0])
     plgpu.copy_gmem_to_smem(k_ref.at[r, :, h, :], k_smem, bar.at[0])
-    plgpu.copy_gmem_to_smem(g_ref.at[r, :, h, :], g_smem, bar.at[0])
+    plgpu.copy_gmem_to_smem(eg_ref.at[r, :, h, :], eg_smem, bar.at[0])
     plgpu.copy_gmem_to_smem(v_ref.at[r, :, h, cols], v_smem, bar.at[0])
     plgpu.barrier_wait(bar.at[0])
-    s = plgpu.load(s_smem, layout=_L.WGMMA)                          # [K, Vt] f32
+    s = plgpu.load(s_smem, layout=lay)                               # [K, Vt] f32
     fresh = jnp.broadcast_to(reset_ref[r] != 0, (kd, vt))
     s = jnp.where(fresh, jnp.zeros_like(s), s)
     for t in range(ts):
-      gv = plgpu.load(g_smem.at[t], layout=_L.WGMMA.reduce(1))       # [K]
-      kv = plgpu.load(k_smem.at[t], layout=_L.WGMMA.reduce(1))
-      qv = plgpu.load(q_smem.at[t], layout=_L.WGMMA.reduce(1))
-      vv = plgpu.load(v_smem.at[t], layout=_L.WGMMA.reduce(0))       # [Vt]
+      ev = plgpu.load(eg_smem.at[t], layout=lay.reduce(1))            # [K] exp(g)
+      kv = plgpu.load(k_smem.at[t], layout=lay.reduce(1))
+      qv = plgpu.load(q_smem.at[t], layout=lay.reduce(1))
+      vv = plgpu.load(v_smem.at[t], layout=lay.reduce(0))            # [Vt]
       kb = lax.broadcast_in_dim(kv, (kd, vt), [0])
-      s = s * lax.broadcast_in_dim(jnp.exp(gv), (kd, vt), [0])
+      s = s * lax.broadcast_in_dim(ev, (kd, vt), [0])
       ks = jnp.sum(s * kb, axis=0)                                  # k^T S  [Vt]
       vn = jnp.broadcast_to(b_ref[r, t, h], (vt,)) * (vv - ks)
       s = s + kb * lax.broadcast_in_dim(vn, (kd, vt), [1])
@@ -184,10 +196,10 @@ def _verify_call(q, k, v, g, beta, pool, slots, reset, *, interpret):
   out_type = (jax.ShapeDtypeStruct((n, ts, hv, vd), f32),
               jax.ShapeDtypeStruct((n, ts, hv, kd, vd), f32))
   scratch = {
-      "s_smem": plgpu.SMEM((kd, vt), f32, transforms=_swizzled(f32, vt)),
+      "s_smem": plgpu.SMEM((kd, vt), f32),
       "q_smem": plgpu.SMEM((ts, kd), f32),
       "k_smem": plgpu.SMEM((ts, kd), f32),
-      "g_smem": plgpu.SMEM((ts, kd), f32),
+      "eg_smem": plgpu.SMEM((ts, kd), f32),
       "v_smem": plgpu.SMEM((ts, vt), f32),
       "bar": plgpu.Barrier(num_arrivals=5, num_barriers=1),
   }
@@ -196,7 +208,7 @@ def _verify_call(q, k, v, g, beta, pool, slots, reset, *, interpret):
       grid=(vd // vt, hv, n), grid_names=("vt", "h", "n"),
       compiler_params=hand_synced(approx_math=False),
       **interpret_kwargs(interpret))
-  return call(q, k, v, g, beta, slots, reset, pool)
+  return call(q, k, v, eg, beta, slots, reset, pool)
 
 
 # Decode's persistent form, (V tile, ring slots per CTA): fp32 [K, 32] state tiles, or whole
@@ -216,17 +228,6 @@ def _stream_config(n, hv, kd, vd):
   vt, stages = _STREAM_WHOLE if n * hv >= _WHOLE_STATE_ROWS else _STREAM_NARROW
   vt = min(vt or vd, vd)
   return vt, stages, max(1, _STREAM_RING_BYTES // (stages * kd * vt * 4))
-
-
-def _column_layout(kd, vt):
-  """Register layout of an fp32 [K, Vt] state tile (Vt a multiple of 32) in which each thread
-  holds K / 4 consecutive rows of Vt / 32 adjacent columns: warp w owns rows [w K/4, (w+1) K/4),
-  lane l columns [l Vt/32, (l+1) Vt/32). Reductions over K are in-thread adds plus one
-  cross-warp step (the WGMMA layout spreads K over 8 lanes and 4 warps: shuffles on every
-  column), and a warp's row access is one contiguous Vt x 4-byte run of shared memory, free of
-  bank conflicts without a swizzle."""
-  return _L.TILED(plgpu.Tiling(((kd, vt), (kd // 4, vt), (vt // 32,))), warp_dims=(-5,),
-                  lane_dims=(-2,), vector_dim=-1)
 
 
 def _decode_stream(q, k, v, eg, beta, pool, slots, reset, *, interpret):
@@ -326,11 +327,15 @@ def _decode_stream(q, k, v, eg, beta, pool, slots, reset, *, interpret):
 
 
 def _prep_step(q, k, v, g, beta, slots, reset, *, scale, use_qk_l2norm):
+  """The step kernels' fp32 operands: q, k normalised / scaled, v, exp(g) (taken here once per
+  (row, head, key) rather than by each of the threads that hold a key's row), beta; slots and
+  the reset flags as int32."""
   hv = v.shape[-2]
   qf, kf = prepare_qk(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm, hv=hv)
   n = slots.shape[0]
   rs = (jnp.zeros((n,), jnp.int32) if reset is None else reset.astype(jnp.int32))
-  return (qf, kf, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32),
+  f32 = jnp.float32
+  return (qf, kf, v.astype(f32), jnp.exp(g.astype(f32)), beta.astype(f32),
           slots.astype(jnp.int32), rs)
 
 
@@ -338,10 +343,10 @@ def kda_decode_pallas(q, k, v, g, beta, state_pool, slots, *, scale=None,
                       use_qk_l2norm=False, reset=None, interpret=False):
   """Decode step (one token per row); arguments as `kda_decode` (validated there)."""
   check_kernel_dims(q.shape[-1], v.shape[-1])
-  qf, kf, vf, gf, bf, sl, rs = _prep_step(q, k, v, g, beta, slots, reset, scale=scale,
+  qf, kf, vf, egf, bf, sl, rs = _prep_step(q, k, v, g, beta, slots, reset, scale=scale,
                                           use_qk_l2norm=use_qk_l2norm)
-  o, pool = _decode_stream(qf[:, None], kf[:, None], vf[:, None], jnp.exp(gf)[:, None],
-                           bf[:, None], state_pool, sl, rs, interpret=interpret)
+  o, pool = _decode_stream(qf[:, None], kf[:, None], vf[:, None], egf[:, None], bf[:, None],
+                           state_pool, sl, rs, interpret=interpret)
   return o[:, 0].astype(v.dtype), pool
 
 
@@ -349,9 +354,9 @@ def kda_verify_pallas(q, k, v, g, beta, state_pool, slots, *, scale=None,
                       use_qk_l2norm=False, reset=None, interpret=False):
   """Speculative verify; arguments as `kda_verify` (validated there)."""
   check_kernel_dims(q.shape[-1], v.shape[-1])
-  qf, kf, vf, gf, bf, sl, rs = _prep_step(q, k, v, g, beta, slots, reset, scale=scale,
+  qf, kf, vf, egf, bf, sl, rs = _prep_step(q, k, v, g, beta, slots, reset, scale=scale,
                                           use_qk_l2norm=use_qk_l2norm)
-  o, states = _verify_call(qf, kf, vf, gf, bf, state_pool, sl, rs, interpret=interpret)
+  o, states = _verify_call(qf, kf, vf, egf, bf, state_pool, sl, rs, interpret=interpret)
   return o.astype(v.dtype), states
 
 
