@@ -1,7 +1,8 @@
-"""NVFP4 weight-only matmul on Hopper over the shared dequantizing engine
-(``pallas_kernels/mxfp8/wdequant.py``): the low and high nibbles of each byte become two
-bf16 tiles multiplied against the even and odd K columns of x, which the wrapper splits once
-per call (a pass over the activations, not the weights)."""
+"""NVFP4 weight-only matmul on Hopper. One activation row (decode at batch 1) on a shape the
+CUDA-core GEMV serves goes there (``gemv.py``: 1.6-1.7x the engine below on the H200); everything
+else runs the shared dequantizing engine (``pallas_kernels/mxfp8/wdequant.py``): the low and
+high nibbles of each byte become two bf16 tiles multiplied against the even and odd K columns
+of x, which the wrapper splits once per call (a pass over the activations, not the weights)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.mxfp8 import wdequant as wd
 
+from . import gemv
 from .reference import validate
 
 
@@ -19,10 +21,13 @@ def matmul_kernel(x, w_q, w_scale, w_scale_2, *, out_dtype=None, interpret=False
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k).astype(jnp.bfloat16)
     n = w_q.shape[0]
+    s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
+    if not plan_overrides and gemv.supported(x2.shape[0], n, k):
+        y = gemv.gemv_unscaled(x2, w_q, w_scale, interpret=interpret) * (gemv.SCALE_2_FACTOR * s2)
+        return y.astype(out_dtype).reshape(*lead, n)
     np_, kp = wd.round_up(n, wd.BN), wd.round_up(k, 64)
     # N / K padding copies the weight: only for shapes no real layer has (N % 64, K % 64).
     w = wd.pad_cols(wd.pad_rows(w_q, np_), kp // 2)
     s = wd.pad_cols(wd.pad_rows(w_scale, kp // 16), np_)
-    s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
     y = wd.matmul_padded("nvfp4", wd.pad_cols(x2, kp), w, (s, s2), n, out_dtype, interpret, **plan_overrides)
     return y.reshape(*lead, n)

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "quant"))
 import quant_oracle as orc  # noqa: E402
 
 from kk_jax.quant import nvfp4 as q  # noqa: E402
-from pallas_kernels.nvfp4 import matmul, matmul_kernel, matmul_reference  # noqa: E402
+from pallas_kernels.nvfp4 import gemv, matmul, matmul_kernel, matmul_reference  # noqa: E402
 
 
 def make(m, n, k, seed=0):
@@ -47,6 +47,30 @@ def test_kernel_matches_oracle(m, n, k, overrides):
     assert orc.rel_err(y, oracle(x, *w)) < 1e-5
 
 
+@pytest.mark.parametrize("n,k,sms", [(16, 2048, None), (48, 8192, 1)])
+def test_one_row_runs_the_gemv(n, k, sms, monkeypatch):
+    """One activation row (here with two leading axes) goes to the CUDA-core GEMV. sms = 1: two
+    CTAs share three 16-row items (uneven) of four K tiles each, so the ring of four slots is
+    refilled; the checkpoint's codes cover every E2M1 value and sign."""
+    if sms:
+        monkeypatch.setattr(gemv, "num_sms", lambda: sms)
+    calls, real = [], gemv.gemv_unscaled
+    monkeypatch.setattr(gemv, "gemv_unscaled", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x, *w = make(1, n, k, seed=n)
+    y = matmul_kernel(x[None], *w, out_dtype=jnp.float32, interpret=True)
+    assert calls and y.shape == (1, 1, n)
+    assert orc.rel_err(y[0], oracle(x, *w)) < 1e-5
+
+
+def test_gemv_serves_one_row_of_whole_tiles():
+    assert gemv.supported(1, 4096, 4096) and gemv.supported(1, 16, 16384)
+    assert not gemv.supported(2, 4096, 4096) and not gemv.supported(1, 4100, 4096)
+    assert not gemv.supported(1, 4096, 4608) and not gemv.supported(1, 4096, 18432)
+    x, wq, ws, _ = make(1, 64, 1024)
+    with pytest.raises(ValueError, match="the NVFP4 GEMV serves M = 1"):
+        gemv.gemv_unscaled(x, wq, ws, interpret=True)
+
+
 def test_bad_operands_are_named():
     x, wq, ws, s2 = make(2, 64, 128)
     with pytest.raises(ValueError, match=r"w_scale has shape \[7, 64\], expected \[8, 64\] \(transposed\)"):
@@ -67,7 +91,9 @@ def test_lowers_for_hopper(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (300, 512, 1024)])
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 4096, 12288), (1, 256, 1024),
+                                   (300, 512, 1024)])
 def test_compiled_kernel_matches_oracle(m, n, k):
+    """M = 1 with K a multiple of 2048 runs the GEMV, K = 1024 the engine."""
     x, *w = make(m, n, k, seed=7)
     assert orc.rel_err(matmul(x, *w, backend="pallas", out_dtype=jnp.float32), oracle(x, *w)) < 1e-4
