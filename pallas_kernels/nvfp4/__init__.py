@@ -11,8 +11,9 @@
   returns    [..., N]   out_dtype (default x.dtype), fp32 accumulation
 
 ModelOpt's ``input_scale`` (W4A4 activation scale) is not an input: activations stay bf16.
-backend="xla" is the jnp twin (``reference.py``); backend="pallas" the Mosaic GPU kernel
-(``kernel.py``; interpret=True runs it on CPU). Chosen once per server.
+backend="xla" is the jnp twin (``reference.py``); backend="pallas" the Mosaic GPU kernels
+(``kernel.py``: the CUDA-core GEMV of ``gemv.py`` for one activation row, the dequantizing
+tensor-core engine otherwise; interpret=True runs them on CPU). Chosen once per server.
 """
 
 from __future__ import annotations
