@@ -11,11 +11,12 @@ warpgroup, S in registers (row broadcasts of g/k/q, column broadcasts of v', red
 K). Decode (`_decode_stream`) is persistent: each resident CTA streams its round-robin share
 of the (row, head, V tile) tiles through a ring of SMEM slots (TMA loads ahead, TMA stores
 back into the same slot: the pool is a `jax.new_ref` aliased to the output, so the update is
-in place when the caller donates the pool). Both hold S with each thread owning columns of
-the tile (`_column_layout`), so the reductions over K stay mostly in-thread. State traffic is
-exactly one read and one write of the state per call -- the roofline for this op. Verify (`_verify_call`): one
-CTA per (V tile, head, row) runs the Ts tokens and TMA-stores S after every token into
-`states` (V tiles of 32 columns for small batches, 64 otherwise: `_step_v_tile`).
+in place when the caller donates the pool). State traffic is exactly one read and one write
+of the state per call -- the roofline for this op. Verify (`_verify_call`): one CTA per
+(V tile, head, row) runs the Ts tokens and TMA-stores S after every token into `states` (V
+tiles of 32 columns for small batches, 64 otherwise: `_step_v_tile`). Both hold S with each
+thread owning columns of the tile (`_column_layout`), so the reductions over K stay mostly
+in-thread.
 
 Chunked prefill (`chunk_kda_pallas`), fla's stage split with stages 3 and 4 fused:
   0.   Input prep: for varlen the gather into sequence-aligned 64-token chunks; at K = 64 the
