@@ -190,7 +190,7 @@ def gemv_unscaled(x, w_q, w_scale, *, interpret=False):
     s8 = lax.bitcast_convert_type(w_scale, jnp.uint8)
     x_rows = TILE_K // _X_ROW
 
-    def body(x_ref, w_ref, s_ref, y_ref, x_smem, w_smem, s_smem, y_smem, red_smem, bar, xbar):
+    def nvfp4_gemv(x_ref, w_ref, s_ref, y_ref, x_smem, w_smem, s_smem, y_smem, red_smem, bar, xbar):
         c = lax.axis_index("c")
         tiles = lax.div(items - c + ctas - 1, ctas) * kcn     # items c, c + ctas, ... x K tiles
 
@@ -242,7 +242,7 @@ def gemv_unscaled(x, w_q, w_scale, *, interpret=False):
 
     u8 = jnp.uint8
     call = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((1, n), jnp.float32),
+        nvfp4_gemv, out_type=jax.ShapeDtypeStruct((1, n), jnp.float32),
         scratch_types=[plgpu.SMEM(xs.shape, jnp.bfloat16),
                        plgpu.SMEM((_STAGES, 4, ROWS, _QUARTER), u8),
                        plgpu.SMEM((_STAGES, TILE_K // BLOCK, ROWS), u8),
