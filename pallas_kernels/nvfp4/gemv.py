@@ -12,8 +12,9 @@ does) and every thread turns nibbles into fp32 products itself:
   read once per tile and its row sums need no other thread until the item's last tile;
 * E2M1 -> fp32 exactly, two codes per 32-bit operation: a code's three magnitude bits shifted
   to bits 9-11 of an f16 and its sign to bit 15 are the f16 value e2m1 * 2^-14 (code 1, 0.5,
-  lands on the f16 subnormal 2^-15), and f16 -> fp32 conversion is exact; the 2^14 goes into
-  the caller's final scale with w_scale_2;
+  lands on the f16 subnormal 2^-15), and f16 -> fp32 conversion is exact; the 2^14 joins
+  w_scale_2 in the one multiplication of each output, which the kernel writes in the output
+  dtype (no XLA pass after it);
 * block scales (e4m3) convert by `cvt.rn.f16x2.e4m3x2`, exact;
 * at an item's last tile the 128 threads' row sums are added by a butterfly that halves the
   rows at each step (16 shuffles a thread) and one exchange through shared memory.
@@ -51,7 +52,8 @@ _STAGES = 4
 _CTAS_PER_SM = 2
 _X_ROW = 256                 # x is staged as [K / 256, 256] bf16 (same box limit)
 MAX_K = 16384                # x must fit shared memory next to the ring (32 KiB of bf16)
-SCALE_2_FACTOR = 2.0 ** 14   # the f16 decoding leaves every value 2^-14 small
+SCALE_2_FACTOR = 2.0 ** 14   # the f16 decoding leaves every value 2^-14 small; the kernel
+                             # multiplies it back in with w_scale_2
 _ACC = plgpu.Layout.WG_STRIDED((128, ROWS), ROWS)   # thread t: its row sums for block t
 
 
@@ -134,14 +136,16 @@ def _tile_update(acc, w_ref, s_ref, x_ref, *, interpret):
     return update(acc, w_ref, s_ref, x_ref)
 
 
-def _item_sums(acc, red_ref, y_ref, *, interpret):
-    """y_ref [1, ROWS] f32 <- the sum of acc [128, ROWS] over its 128 threads (rows of acc)."""
+def _item_sums(acc, red_ref, s2_ref, y_ref, *, interpret):
+    """y_ref [1, ROWS] (output dtype) <- the sum of acc [128, ROWS] over its 128 threads (rows
+    of acc) times SCALE_2_FACTOR * w_scale_2 (s2_ref [1] f32 in HBM), rounded once."""
     if interpret:
-        y_ref[...] = acc.sum(0, keepdims=True)
+        total = acc.sum(0, keepdims=True) * (SCALE_2_FACTOR * s2_ref[0])
+        y_ref[...] = total.astype(y_ref.dtype)
         return
 
-    @plgpu.inline_mgpu(arg_types=(_ACC, plgpu.RefType(), plgpu.RefType()))
-    def reduce(_, acc_in, red_smem, y_smem):
+    @plgpu.inline_mgpu(arg_types=(_ACC, plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
+    def reduce(_, acc_in, red_smem, s2_gmem, y_smem):
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
         cst = lambda v, ty=i32: mgpu_utils.c(v, ty)
         ix = lambda v: arith.index_cast(index, v)
@@ -169,16 +173,20 @@ def _item_sums(acc, red_ref, y_ref, *, interpret):
             total = memref.load(red_smem, [cst(0, index), ix(t)])
             for w in range(1, 4):
                 total = arith.addf(total, memref.load(red_smem, [cst(w, index), ix(t)]))
+            s2 = memref.load(s2_gmem, [cst(0, index)])
+            total = arith.mulf(total, arith.mulf(s2, mgpu_utils.c(SCALE_2_FACTOR, s2.type)))
+            out_ty = ir.MemRefType(y_smem.type).element_type
+            if out_ty != total.type:
+                total = arith.truncf(out_ty, total)
             memref.store(total, y_smem, [cst(0, index), ix(t)])
 
-    reduce(acc, red_ref, y_ref)
+    reduce(acc, red_ref, s2_ref, y_ref)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def gemv_unscaled(x, w_q, w_scale, *, interpret=False):
-    """x [1, K] bf16, w_q [N, K/2] uint8, w_scale [K/16, N] e4m3 -> [1, N] f32 equal to
-    x @ (e2m1 * w_scale)^T / SCALE_2_FACTOR (the caller multiplies by SCALE_2_FACTOR * w_scale_2).
-    Persistent CTAs take the 16-row items round-robin and stream each item's K tiles through
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
+def gemv(x, w_q, w_scale, w_scale_2, *, out_dtype, interpret=False):
+    """x [1, K] bf16, w_q [N, K/2] uint8, w_scale [K/16, N] e4m3, w_scale_2 [] / [1] f32 ->
+    [1, N] out_dtype = x @ (e2m1 * w_scale * w_scale_2)^T, rounded once from fp32. Persistent CTAs take the 16-row items round-robin and stream each item's K tiles through
     a ring of `_STAGES` shared-memory slots; x sits in shared memory for the whole call."""
     n, k = w_q.shape[0], 2 * w_q.shape[1]
     if not supported(x.shape[0], n, k):
@@ -188,9 +196,11 @@ def gemv_unscaled(x, w_q, w_scale, *, interpret=False):
     ctas = min(items, num_sms() * _CTAS_PER_SM)
     xs = x.astype(jnp.bfloat16).reshape(k // _X_ROW, _X_ROW)
     s8 = lax.bitcast_convert_type(w_scale, jnp.uint8)
+    s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
     x_rows = TILE_K // _X_ROW
 
-    def nvfp4_gemv(x_ref, w_ref, s_ref, y_ref, x_smem, w_smem, s_smem, y_smem, red_smem, bar, xbar):
+    def nvfp4_gemv(x_ref, w_ref, s_ref, s2_ref, y_ref, x_smem, w_smem, s_smem, y_smem, red_smem,
+                   bar, xbar):
         c = lax.axis_index("c")
         tiles = lax.div(items - c + ctas - 1, ctas) * kcn     # items c, c + ctas, ... x K tiles
 
@@ -230,7 +240,7 @@ def gemv_unscaled(x, w_q, w_scale, *, interpret=False):
             @pl.when(last)
             def _():
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # y_smem free again
-                _item_sums(acc, red_smem, y_smem, interpret=interpret)
+                _item_sums(acc, red_smem, s2_ref, y_smem, interpret=interpret)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(y_smem, y_ref.at[:, pl.ds(item * ROWS, ROWS)])
 
@@ -242,15 +252,15 @@ def gemv_unscaled(x, w_q, w_scale, *, interpret=False):
 
     u8 = jnp.uint8
     call = plgpu.kernel(
-        nvfp4_gemv, out_type=jax.ShapeDtypeStruct((1, n), jnp.float32),
+        nvfp4_gemv, out_type=jax.ShapeDtypeStruct((1, n), out_dtype),
         scratch_types=[plgpu.SMEM(xs.shape, jnp.bfloat16),
                        plgpu.SMEM((_STAGES, 4, ROWS, _QUARTER), u8),
                        plgpu.SMEM((_STAGES, TILE_K // BLOCK, ROWS), u8),
-                       plgpu.SMEM((1, ROWS), jnp.float32),
+                       plgpu.SMEM((1, ROWS), out_dtype),
                        plgpu.SMEM((4, ROWS), jnp.float32),
                        plgpu.Barrier(num_arrivals=5, num_barriers=_STAGES),
                        plgpu.Barrier(num_arrivals=1, num_barriers=1)],
         grid=(ctas,), grid_names=("c",),
         compiler_params=hand_synced(approx_math=False),
         **interpret_kwargs(interpret))
-    return call(xs, w_q, s8)
+    return call(xs, w_q, s8, s2)

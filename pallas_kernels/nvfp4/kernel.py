@@ -23,8 +23,8 @@ def matmul_kernel(x, w_q, w_scale, w_scale_2, *, out_dtype=None, interpret=False
     n = w_q.shape[0]
     s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
     if not plan_overrides and gemv.supported(x2.shape[0], n, k):
-        y = gemv.gemv_unscaled(x2, w_q, w_scale, interpret=interpret) * (gemv.SCALE_2_FACTOR * s2)
-        return y.astype(out_dtype).reshape(*lead, n)
+        y = gemv.gemv(x2, w_q, w_scale, s2, out_dtype=jnp.dtype(out_dtype), interpret=interpret)
+        return y.reshape(*lead, n)
     np_, kp = wd.round_up(n, wd.BN), wd.round_up(k, 64)
     # N / K padding copies the weight: only for shapes no real layer has (N % 64, K % 64).
     w = wd.pad_cols(wd.pad_rows(w_q, np_), kp // 2)

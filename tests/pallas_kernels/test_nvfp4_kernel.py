@@ -54,21 +54,23 @@ def test_one_row_runs_the_gemv(n, k, sms, monkeypatch):
     refilled; the checkpoint's codes cover every E2M1 value and sign."""
     if sms:
         monkeypatch.setattr(gemv, "num_sms", lambda: sms)
-    calls, real = [], gemv.gemv_unscaled
-    monkeypatch.setattr(gemv, "gemv_unscaled", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls, real = [], gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     x, *w = make(1, n, k, seed=n)
     y = matmul_kernel(x[None], *w, out_dtype=jnp.float32, interpret=True)
     assert calls and y.shape == (1, 1, n)
     assert orc.rel_err(y[0], oracle(x, *w)) < 1e-5
+    yb = matmul_kernel(x, *w, out_dtype=jnp.bfloat16, interpret=True)   # written by the kernel
+    assert yb.dtype == jnp.bfloat16 and orc.rel_err(yb, oracle(x, *w)) < 4e-3
 
 
 def test_gemv_serves_one_row_of_whole_tiles():
     assert gemv.supported(1, 4096, 4096) and gemv.supported(1, 16, 16384)
     assert not gemv.supported(2, 4096, 4096) and not gemv.supported(1, 4100, 4096)
     assert not gemv.supported(1, 4096, 4608) and not gemv.supported(1, 4096, 18432)
-    x, wq, ws, _ = make(1, 64, 1024)
+    x, *w = make(1, 64, 1024)
     with pytest.raises(ValueError, match="the NVFP4 GEMV serves M = 1"):
-        gemv.gemv_unscaled(x, wq, ws, interpret=True)
+        gemv.gemv(x, *w, out_dtype=jnp.float32, interpret=True)
 
 
 def test_bad_operands_are_named():
