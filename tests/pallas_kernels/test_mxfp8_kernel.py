@@ -20,7 +20,8 @@ import quant_oracle as orc  # noqa: E402
 
 from kk_jax.quant import mxfp8 as q  # noqa: E402
 from pallas_kernels.common import SMEM_PER_CTA  # noqa: E402
-from pallas_kernels.mxfp8 import matmul, matmul_kernel, matmul_reference  # noqa: E402
+from pallas_kernels import row_gemv  # noqa: E402
+from pallas_kernels.mxfp8 import gemv, matmul, matmul_kernel, matmul_reference  # noqa: E402
 
 
 def make(m, n, k, seed=0):
@@ -55,6 +56,24 @@ def test_kernel_matches_oracle(m, n, k, overrides):
     want = oracle(x, wq, ws)
     assert orc.rel_err(y, want) < 1e-5
     assert orc.rel_err(y, matmul_reference(x, wq, ws, out_dtype=jnp.float32)) < 1e-5
+
+
+@pytest.mark.parametrize("n,k,sms", [(16, 1024, None), (48, 4096, 1)])
+def test_one_row_runs_the_gemv(n, k, sms, monkeypatch):
+    """One activation row goes to the CUDA-core GEMV (fp32 and bf16 written by the kernel). sms =
+    1: two CTAs share three 16-row items (uneven) of four K tiles each, so the ring of four
+    slots is refilled; the weight's 32-blocks span 2^-8 .. 2^8."""
+    if sms:
+        monkeypatch.setattr(row_gemv, "num_sms", lambda: sms)
+    calls, real = [], gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x, wq, ws = make(1, n, k, seed=n)
+    y = matmul_kernel(x, wq, ws, out_dtype=jnp.float32, interpret=True)
+    assert calls and y.shape == (1, n)
+    assert orc.rel_err(y, oracle(x, wq, ws)) < 1e-5
+    yb = matmul_kernel(x, wq, ws, out_dtype=jnp.bfloat16, interpret=True)
+    assert yb.dtype == jnp.bfloat16 and orc.rel_err(yb, oracle(x, wq, ws)) < 4e-3
+    assert not gemv.supported(2, n, k) and not gemv.supported(1, n, k + 512)
 
 
 def test_bf16_output_and_leading_dims():

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "quant"))
 import quant_oracle as orc  # noqa: E402
 
 from kk_jax.quant import nvfp4 as q  # noqa: E402
+from pallas_kernels import row_gemv  # noqa: E402
 from pallas_kernels.nvfp4 import gemv, matmul, matmul_kernel, matmul_reference  # noqa: E402
 
 
@@ -53,7 +54,7 @@ def test_one_row_runs_the_gemv(n, k, sms, monkeypatch):
     CTAs share three 16-row items (uneven) of four K tiles each, so the ring of four slots is
     refilled; the checkpoint's codes cover every E2M1 value and sign."""
     if sms:
-        monkeypatch.setattr(gemv, "num_sms", lambda: sms)
+        monkeypatch.setattr(row_gemv, "num_sms", lambda: sms)
     calls, real = [], gemv.gemv
     monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     x, *w = make(1, n, k, seed=n)
@@ -69,7 +70,7 @@ def test_gemv_serves_one_row_of_whole_tiles():
     assert not gemv.supported(2, 4096, 4096) and not gemv.supported(1, 4100, 4096)
     assert not gemv.supported(1, 4096, 4608) and not gemv.supported(1, 4096, 18432)
     x, *w = make(1, 64, 1024)
-    with pytest.raises(ValueError, match="the NVFP4 GEMV serves M = 1"):
+    with pytest.raises(ValueError, match="nvfp4_gemv serves M = 1"):
         gemv.gemv(x, *w, out_dtype=jnp.float32, interpret=True)
 
 

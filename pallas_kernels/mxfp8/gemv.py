@@ -1,0 +1,71 @@
+"""MXFP8 on the one-row CUDA-core GEMV (`pallas_kernels/row_gemv.py`): 8 e4m3 codes a thread
+and tile row, two per `cvt.rn.f16x2.e4m3x2` (exact), then exact f16 -> fp32; E8M0 block
+scales (per 32) become fp32 powers of two by a shift (0 -> 2^-127, the fp32 subnormal).
+
+Numerics: products x * e4m3 are exact in fp32; a thread's 8 products are summed in fp32,
+multiplied by the block scale (exact) and accumulated in fp32 -- the jnp twin's bf16 dot up to
+the summation order.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm, vector
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+from pallas_kernels import row_gemv
+
+from .reference import BLOCK
+
+
+def _decode(w0, w1):
+    """The 8 e4m3 bytes of two words as fp32, in K order (byte 0 of w0 first)."""
+    i16, i32, f32 = (ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32),
+                     ir.F32Type.get())
+    half2 = ir.VectorType.get((2,), ir.F16Type.get())
+    vals = []
+    for word in (w0, w1):
+        for shift in (0, 16):
+            pair = arith.trunci(i16, arith.shrui(word, mgpu_utils.c(shift, i32)) if shift else word)
+            h = llvm.inline_asm(i32, [pair], "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h")
+            v = arith.extf(ir.VectorType.get((2,), f32), mgpu_utils.bitcast(h, half2))
+            vals += [vector.extract(v, [], [0]), vector.extract(v, [], [1])]
+    return vals
+
+
+def _scales(sv):
+    """ROWS E8M0 bytes -> fp32 2^(s - 127): s in the exponent field; s = 0 is 2^-127."""
+    i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+    cst = lambda v: mgpu_utils.c(v, i32)
+    out = []
+    for r in range(ir.VectorType(sv.type).shape[0]):
+        s = arith.extui(i32, vector.extract(sv, [], [r]))
+        bits = arith.select(arith.cmpi(arith.CmpIPredicate.eq, s, cst(0)), cst(1 << 22),
+                            arith.shli(s, cst(23)))
+        out.append(arith.bitcast(f32, bits))
+    return out
+
+
+def _values(w):
+    return lax.bitcast_convert_type(w, jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def _scale_values(s):
+    return jnp.ldexp(jnp.float32(1.0), s.astype(jnp.int32) - 127)
+
+
+FORMAT = row_gemv.Format(name="mxfp8_gemv", per_thread=8, block=BLOCK, factor=1.0,
+                         decode=_decode, scales=_scales, values=_values,
+                         scale_values=_scale_values)
+
+
+def supported(m: int, n: int, k: int) -> bool:
+    return row_gemv.supported(FORMAT, m, n, k)
+
+
+def gemv(x, w_q, w_scale, *, out_dtype, interpret=False):
+    """x [1, K] bf16, w_q [N, K] e4m3, w_scale [K/32, N] uint8 E8M0 -> [1, N] out_dtype."""
+    return row_gemv.gemv(FORMAT, x, lax.bitcast_convert_type(w_q, jnp.uint8), w_scale,
+                         jnp.ones((1,), jnp.float32), out_dtype=out_dtype, interpret=interpret)

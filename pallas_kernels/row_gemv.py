@@ -1,0 +1,250 @@
+"""Weight-streaming GEMV for a single activation row (decode at batch 1) on CUDA cores, for
+quantized formats whose codes take 8 bytes per thread and tile row: NVFP4 (16 codes) and
+MXFP8 (8 codes).
+
+    y [1, N] = x [1, K] (bf16) @ dequant(w)^T, fp32 accumulation, rounded once to out_dtype
+
+At one row the tensor-core engine (`mxfp8/wdequant.py`) spends its time in the latency of
+dequantizing into `wgmma` operands, not in HBM. Here the weights stream through a ring of
+shared-memory slots in persistent CTAs (as the KDA decode does) and every thread turns codes
+into fp32 products itself:
+
+* a tile is ROWS = 16 weight rows x 1024 bytes of codes (four 256-byte TMA boxes), their block
+  scales and the matching x chunk; thread t owns bytes 8t..8t+7 of every row of the tile
+  (`per_thread` weights), so its x values and block scales are read once per tile and its row
+  sums need no other thread until the item's last tile;
+* the format decodes its 8 bytes into fp32 values and converts a row of scales
+  (`Format.decode`, `Format.scales`, inline Mosaic GPU code; `Format.values` /
+  `Format.scale_values` are the jnp forms interpret mode runs);
+* at an item's last tile the 128 threads' row sums are added by a butterfly that halves the
+  rows at each step (16 shuffles a thread) and one exchange through shared memory, multiplied
+  by `factor * w_scale_2` and written in the output dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, memref, vector
+from jax._src.lib.mlir.dialects import math as mlir_math
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import hand_synced, interpret_kwargs, num_sms
+
+ROWS = 16                    # weight rows per item (and per tile)
+ROW_BYTES = 1024             # bytes of codes per row and tile: 8 per thread
+_BOX = 256                   # bytes per TMA box along K (a box is at most 256 elements wide)
+_STAGES = 4
+_CTAS_PER_SM = 2
+_X_ROW = 256                 # x is staged as [K / 256, 256] bf16 (same box limit)
+MAX_K = 16384                # x must fit shared memory next to the ring (32 KiB of bf16)
+_ACC = plgpu.Layout.WG_STRIDED((128, ROWS), ROWS)   # thread t: its ROWS row sums
+
+
+class Format(NamedTuple):
+    """What a quantized format brings to the GEMV (codes are 8 bytes a thread and tile row)."""
+    name: str          # the kernel's name in traces
+    per_thread: int    # weights in a thread's 8 bytes
+    block: int         # weights per block scale
+    factor: float      # constant every output is multiplied by (with w_scale_2)
+    decode: Callable   # inline: (i32 word, i32 word) -> per_thread fp32 values, in K order
+    scales: Callable   # inline: vector<ROWS x i8> of one block's row scales -> ROWS fp32
+    values: Callable   # jnp: uint8 [..., bytes] -> fp32 [..., per_thread / 8 * bytes]
+    scale_values: Callable   # jnp: uint8 scales -> fp32
+
+    @property
+    def tile_k(self) -> int:
+        return 128 * self.per_thread
+
+
+def supported(fmt: Format, m: int, n: int, k: int) -> bool:
+    """Shapes the GEMV serves: one activation row, N a multiple of 16, K of a tile."""
+    return m == 1 and n % ROWS == 0 and k % fmt.tile_k == 0 and k <= MAX_K
+
+
+def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, interpret):
+    """acc [128, ROWS] f32 += for thread t and row r: scale(r, block of t) times the sum over
+    its weights j of x[j] w[r, j]. w_ref [4, ROWS, 256] u8, s_ref [tile_k / block, ROWS] u8,
+    x_ref [tile_k / 256, 256] bf16 (this tile's K range)."""
+    pt = fmt.per_thread
+    if interpret:
+        w = jnp.concatenate([w_ref[q] for q in range(4)], axis=1)              # [ROWS, 1024]
+        prod = fmt.values(w) * x_ref[...].reshape(fmt.tile_k).astype(jnp.float32)
+        sums = prod.reshape(ROWS, 128, pt).sum(-1)                              # [ROWS, 128]
+        scale = fmt.scale_values(s_ref[...])                                    # [nb, ROWS]
+        return acc + sums.T * jnp.repeat(scale, fmt.block // pt, axis=0)
+
+    @plgpu.inline_mgpu(arg_types=(_ACC, plgpu.RefType(), plgpu.RefType(), plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((128, ROWS), jnp.float32, layout=_ACC))
+    def update(_, acc_in, w_smem, s_smem, x_smem):
+        f32, i32, index = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IndexType.get()
+        i8 = ir.IntegerType.get_signless(8)
+        cst = lambda v, ty=i32: mgpu_utils.c(v, ty)
+        ix = lambda v: arith.index_cast(index, v)
+        t = mgpu_utils.thread_idx()
+        warp, lane = arith.shrui(t, cst(5)), arith.andi(t, cst(31))
+        # x[pt t .. pt t + pt - 1]: row (pt t) // 256 of the chunk, column (pt t) % 256
+        first = arith.muli(t, cst(pt))
+        x_at = [ix(arith.shrui(first, cst(8))), ix(arith.andi(first, cst(_X_ROW - 1)))]
+        xv = vector.load(ir.VectorType.get((pt,), ir.BF16Type.get()), x_smem, x_at)
+        xv = arith.extf(ir.VectorType.get((pt,), f32), xv)
+        xs = [vector.extract(xv, [], [e]) for e in range(pt)]
+        sv = vector.load(ir.VectorType.get((ROWS,), i8), s_smem,
+                         [ix(arith.divui(first, cst(fmt.block))), cst(0, index)])
+        scales = fmt.scales(sv)
+        accs = [vector.extract(acc_in.registers.flat[0], [], [r]) for r in range(ROWS)]
+        col = ix(arith.muli(lane, cst(8)))
+        for r in range(ROWS):
+            wv = vector.load(ir.VectorType.get((8,), i8), w_smem, [ix(warp), cst(r, index), col])
+            words = mgpu_utils.bitcast(wv, ir.VectorType.get((2,), i32))
+            vals = fmt.decode(vector.extract(words, [], [0]), vector.extract(words, [], [1]))
+            part = [arith.mulf(vals[0], xs[0]), arith.mulf(vals[1], xs[1])]   # two chains
+            for j in range(2, pt):
+                part[j % 2] = mlir_math.fma(vals[j], xs[j], part[j % 2])
+            accs[r] = mlir_math.fma(arith.addf(part[0], part[1]), scales[r], accs[r])
+        regs = np.array([vector.from_elements(ir.VectorType.get((ROWS,), f32), accs)], dtype=object)
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=_ACC.to_mgpu(), _is_signed=None)
+
+    return update(acc, w_ref, s_ref, x_ref)
+
+
+def _item_sums(fmt, acc, red_ref, s2_ref, y_ref, *, interpret):
+    """y_ref [1, ROWS] (output dtype) <- the sum of acc [128, ROWS] over its 128 threads times
+    fmt.factor * w_scale_2 (s2_ref [1] f32 in HBM), rounded once."""
+    if interpret:
+        total = acc.sum(0, keepdims=True) * (fmt.factor * s2_ref[0])
+        y_ref[...] = total.astype(y_ref.dtype)
+        return
+
+    @plgpu.inline_mgpu(arg_types=(_ACC, plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
+    def reduce(_, acc_in, red_smem, s2_gmem, y_smem):
+        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+        cst = lambda v, ty=i32: mgpu_utils.c(v, ty)
+        ix = lambda v: arith.index_cast(index, v)
+        t = mgpu_utils.thread_idx()
+        warp, lane = arith.shrui(t, cst(5)), arith.andi(t, cst(31))
+        vals = [vector.extract(acc_in.registers.flat[0], [], [r]) for r in range(ROWS)]
+        # butterfly over lanes 16, 8, 4, 2: a lane keeps the upper or lower half of its rows and
+        # adds its partner's copy of them; afterwards lane l holds row (l >> 1) over 16 lanes
+        for dist in (16, 8, 4, 2):
+            half = len(vals) // 2
+            upper = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(lane, cst(dist)), cst(0))
+            nxt = []
+            for j in range(half):
+                keep = arith.select(upper, vals[half + j], vals[j])
+                send = arith.select(upper, vals[j], vals[half + j])
+                nxt.append(arith.addf(keep, mgpu_utils.shfl_bfly(send, dist)))
+            vals = nxt
+        v = arith.addf(vals[0], mgpu_utils.shfl_bfly(vals[0], 1))
+        row = ix(arith.shrui(lane, cst(1)))
+        even = arith.cmpi(arith.CmpIPredicate.eq, arith.andi(lane, cst(1)), cst(0))
+        with mgpu_utils.when(even):
+            memref.store(v, red_smem, [ix(warp), row])
+        mgpu_utils.warpgroup_barrier()
+        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, t, cst(ROWS))):
+            total = memref.load(red_smem, [cst(0, index), ix(t)])
+            for w in range(1, 4):
+                total = arith.addf(total, memref.load(red_smem, [cst(w, index), ix(t)]))
+            s2 = memref.load(s2_gmem, [cst(0, index)])
+            total = arith.mulf(total, arith.mulf(s2, mgpu_utils.c(fmt.factor, s2.type)))
+            out_ty = ir.MemRefType(y_smem.type).element_type
+            if out_ty != total.type:
+                total = arith.truncf(out_ty, total)
+            memref.store(total, y_smem, [cst(0, index), ix(t)])
+
+    reduce(acc, red_ref, s2_ref, y_ref)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "interpret"))
+def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
+    """x [1, K] bf16; w_bytes uint8 codes [N, K / tile_k * 1024] (NVFP4: [N, K/2], MXFP8: the
+    e4m3 bytes [N, K]); scales uint8 [K / block, N] (one K block's row scales contiguous);
+    w_scale_2 [] / [1] f32 -> [1, N] out_dtype. Persistent CTAs take the 16-row
+    items round-robin and stream each item's K tiles through a ring of `_STAGES` slots; x sits
+    in shared memory for the whole call."""
+    n = w_bytes.shape[0]
+    k = w_bytes.shape[1] // ROW_BYTES * fmt.tile_k
+    if not supported(fmt, x.shape[0], n, k) or x.shape[1] != k:
+        raise ValueError(f"{fmt.name} serves M = 1, N % {ROWS} == 0, K % {fmt.tile_k} == 0, "
+                         f"K <= {MAX_K}; got M={x.shape[0]}, N={n}, K={x.shape[1]}")
+    kcn, items = k // fmt.tile_k, n // ROWS
+    ctas = min(items, num_sms() * _CTAS_PER_SM)
+    xs = x.astype(jnp.bfloat16).reshape(k // _X_ROW, _X_ROW)
+    s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
+    x_rows, s_rows = fmt.tile_k // _X_ROW, fmt.tile_k // fmt.block
+
+    def kernel(x_ref, w_ref, s_ref, s2_ref, y_ref, x_smem, w_smem, s_smem, y_smem, red_smem,
+               bar, xbar):
+        c = lax.axis_index("c")
+        tiles = lax.div(items - c + ctas - 1, ctas) * kcn     # items c, c + ctas, ... x K tiles
+
+        def where(i):
+            return c + lax.div(i, kcn) * ctas, lax.rem(i, kcn)
+
+        def issue(i, slot):
+            item, kc = where(i)
+            rows, b = pl.ds(item * ROWS, ROWS), bar.at[slot]
+            for q in range(4):
+                cols = pl.ds(kc * ROW_BYTES + q * _BOX, _BOX)
+                plgpu.copy_gmem_to_smem(w_ref.at[rows, cols], w_smem.at[slot, q], b)
+            plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(kc * s_rows, s_rows), rows], s_smem.at[slot], b)
+
+        plgpu.copy_gmem_to_smem(x_ref, x_smem, xbar.at[0])
+        for p in range(_STAGES):
+            @pl.when(p < tiles)
+            def _():
+                issue(p, p)
+        plgpu.barrier_wait(xbar.at[0])
+
+        def step(i, acc):
+            slot = lax.rem(i, _STAGES)
+            item, kc = where(i)
+            plgpu.barrier_wait(bar.at[slot])
+            acc = _tile_update(fmt, acc, w_smem.at[slot], s_smem.at[slot],
+                               x_smem.at[pl.ds(kc * x_rows, x_rows)], interpret=interpret)
+            plgpu.commit_smem()                           # every thread is done with the slot
+
+            @pl.when(i + _STAGES < tiles)
+            def _():
+                issue(i + _STAGES, slot)
+
+            last = kc == kcn - 1
+
+            @pl.when(last)
+            def _():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # y_smem free again
+                _item_sums(fmt, acc, red_smem, s2_ref, y_smem, interpret=interpret)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(y_smem, y_ref.at[:, pl.ds(item * ROWS, ROWS)])
+
+            return jnp.where(jnp.broadcast_to(last, acc.shape), jnp.zeros_like(acc), acc)
+
+        zero = plgpu.layout_cast(jnp.zeros((128, ROWS), jnp.float32), _ACC)
+        lax.fori_loop(0, tiles, step, zero)
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel.__name__ = fmt.name
+    u8 = jnp.uint8
+    call = plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((1, n), out_dtype),
+        scratch_types=[plgpu.SMEM(xs.shape, jnp.bfloat16),
+                       plgpu.SMEM((_STAGES, 4, ROWS, _BOX), u8),
+                       plgpu.SMEM((_STAGES, s_rows, ROWS), u8),
+                       plgpu.SMEM((1, ROWS), out_dtype),
+                       plgpu.SMEM((4, ROWS), jnp.float32),
+                       plgpu.Barrier(num_arrivals=5, num_barriers=_STAGES),
+                       plgpu.Barrier(num_arrivals=1, num_barriers=1)],
+        grid=(ctas,), grid_names=("c",),
+        compiler_params=hand_synced(approx_math=False),
+        **interpret_kwargs(interpret))
+    return call(xs, w_bytes, scales, s2)
