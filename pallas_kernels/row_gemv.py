@@ -1,6 +1,6 @@
 """Weight-streaming GEMV for a single activation row (decode at batch 1) on CUDA cores, for
-quantized formats whose codes take 8 bytes per thread and tile row: NVFP4 (16 codes) and
-MXFP8 (8 codes).
+quantized formats whose codes take 8 bytes per thread and tile row: NVFP4 (16 codes), MXFP8 and
+block FP8 (8 codes).
 
     y [1, N] = x [1, K] (bf16) @ dequant(w)^T, fp32 accumulation, rounded once to out_dtype
 
@@ -10,12 +10,15 @@ shared-memory slots in persistent CTAs (as the KDA decode does) and every thread
 into fp32 products itself:
 
 * a tile is ROWS = 16 weight rows x 1024 bytes of codes (four 256-byte TMA boxes), their block
-  scales and the matching x chunk; thread t owns bytes 8t..8t+7 of every row of the tile
-  (`per_thread` weights), so its x values and block scales are read once per tile and its row
-  sums need no other thread until the item's last tile;
-* the format decodes its 8 bytes into fp32 values and converts a row of scales
-  (`Format.decode`, `Format.scales`, inline Mosaic GPU code; `Format.values` /
-  `Format.scale_values` are the jnp forms interpret mode runs);
+  scales (`Scales.box`, into the slot's `Scales.slot` buffer) and the matching x chunk; thread t
+  owns bytes 8t..8t+7 of every row of the tile (`per_thread` weights), so its x values and
+  block scales are read once per tile and its row sums need no other thread until the item's
+  last tile;
+* the format decodes its 8 bytes into fp32 values (`Format.decode`) and reads its block scales
+  (`Scales.read`), inline Mosaic GPU code; `Format.values` / `Scales.values` are the jnp forms
+  interpret mode runs. A power-of-two or exactly representable scale multiplies the thread's
+  row sum; block FP8's fp32 scales multiply every weight, rounded to bf16 as the format's jnp
+  twin does (`Format.bf16_weights`);
 * at an item's last tile the 128 threads' row sums are added by a butterfly that halves the
   rows at each step (16 shuffles a thread) and one exchange through shared memory, multiplied
   by `factor * w_scale_2` and written in the output dtype.
@@ -32,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, memref, vector
+from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
 from jax._src.lib.mlir.dialects import math as mlir_math
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
@@ -51,20 +54,70 @@ MAX_K = 16384                # x must fit shared memory next to the ring (32 KiB
 _ACC = plgpu.Layout.WG_STRIDED((128, ROWS), ROWS)   # thread t: its ROWS row sums
 
 
+class Scales(NamedTuple):
+    """Where a tile's block scales come from and how a thread reads them."""
+    dtype: object      # element type of the scale array
+    slot: tuple        # shared-memory buffer per ring slot (the box lands in its leading rows)
+    box: Callable      # (scale ref in HBM, item, K tile) -> the view copied into the slot
+    read: Callable     # inline: (slot ref, thread's first K in the tile) -> ROWS fp32 scales
+    values: Callable   # jnp: slot contents -> [tile K / block, ROWS] fp32
+
+
 class Format(NamedTuple):
     """What a quantized format brings to the GEMV (codes are 8 bytes a thread and tile row)."""
     name: str          # the kernel's name in traces
     per_thread: int    # weights in a thread's 8 bytes
-    block: int         # weights per block scale
+    block: int         # weights along K per block scale
     factor: float      # constant every output is multiplied by (with w_scale_2)
     decode: Callable   # inline: (i32 word, i32 word) -> per_thread fp32 values, in K order
-    scales: Callable   # inline: vector<ROWS x i8> of one block's row scales -> ROWS fp32
     values: Callable   # jnp: uint8 [..., bytes] -> fp32 [..., per_thread / 8 * bytes]
-    scale_values: Callable   # jnp: uint8 scales -> fp32
+    scales: Scales
+    bf16_weights: bool = False   # every weight is bf16(value * scale) (else the sums are scaled)
 
     @property
     def tile_k(self) -> int:
         return 128 * self.per_thread
+
+
+def row_scales(block: int, per_thread: int, convert: Callable, values: Callable) -> Scales:
+    """Scales for a uint8 [K / block, N] array (NVFP4, MXFP8: one scale per row and K block, a
+    K block's row scales contiguous): a tile's [tile K / block, ROWS] box; ``convert`` turns a
+    vector<ROWS x i8> of one block's row scales into ROWS fp32 values (inline), ``values`` is
+    its jnp form."""
+    rows = 128 * per_thread // block
+
+    def box(s_ref, item, kc):
+        return s_ref.at[pl.ds(kc * rows, rows), pl.ds(item * ROWS, ROWS)]
+
+    def read(s_smem, first):
+        index = ir.IndexType.get()
+        at = arith.index_cast(index, arith.divui(first, mgpu_utils.c(block, first.type)))
+        sv = vector.load(ir.VectorType.get((ROWS,), ir.IntegerType.get_signless(8)), s_smem,
+                         [at, mgpu_utils.c(0, index)])
+        return convert(sv)
+
+    return Scales(dtype=jnp.uint8, slot=(rows, ROWS), box=box, read=read, values=values)
+
+
+def decode_e4m3(w0, w1):
+    """The 8 e4m3 bytes of two words as fp32, in K order (byte 0 of w0 first): two per
+    `cvt.rn.f16x2.e4m3x2` (exact), then exact f16 -> fp32 (MXFP8 and block FP8 codes)."""
+    i16, i32, f32 = (ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32),
+                     ir.F32Type.get())
+    half2 = ir.VectorType.get((2,), ir.F16Type.get())
+    vals = []
+    for word in (w0, w1):
+        for shift in (0, 16):
+            pair = arith.trunci(i16, arith.shrui(word, mgpu_utils.c(shift, i32)) if shift else word)
+            h = llvm.inline_asm(i32, [pair], "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h")
+            v = arith.extf(ir.VectorType.get((2,), f32), mgpu_utils.bitcast(h, half2))
+            vals += [vector.extract(v, [], [0]), vector.extract(v, [], [1])]
+    return vals
+
+
+def e4m3_values(w):
+    """jnp form of `decode_e4m3`: uint8 e4m3 bytes -> fp32."""
+    return lax.bitcast_convert_type(w, jnp.float8_e4m3fn).astype(jnp.float32)
 
 
 def supported(fmt: Format, m: int, n: int, k: int) -> bool:
@@ -73,17 +126,18 @@ def supported(fmt: Format, m: int, n: int, k: int) -> bool:
 
 
 def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, interpret):
-    """acc [128, ROWS] f32 += for thread t and row r: scale(r, block of t) times the sum over
-    its weights j of x[j] w[r, j]. w_ref [4, ROWS, 256] u8, s_ref [tile_k / block, ROWS] u8,
+    """acc [128, ROWS] f32 += for thread t and row r: the sum over its weights j of x[j] times
+    w[r, j] dequantized. w_ref [4, ROWS, 256] u8, s_ref the slot's scales (`Scales.slot`),
     x_ref [tile_k / 256, 256] bf16 (this tile's K range)."""
     pt = fmt.per_thread
     if interpret:
         w = jnp.concatenate([w_ref[q] for q in range(4)], axis=1)              # [ROWS, 1024]
-        prod = fmt.values(w) * x_ref[...].reshape(fmt.tile_k).astype(jnp.float32)
-        sums = prod.reshape(ROWS, 128, pt).sum(-1)                              # [ROWS, 128]
-        scale = fmt.scale_values(s_ref[...])                                    # [nb, ROWS]
-        return acc + sums.T * jnp.repeat(scale, fmt.block // pt, axis=0)
-
+        scale = jnp.repeat(fmt.scales.values(s_ref[...]), fmt.block, axis=0).T   # [ROWS, tile K]
+        vals = fmt.values(w) * scale
+        if fmt.bf16_weights:
+            vals = lax.reduce_precision(vals, exponent_bits=8, mantissa_bits=7)   # bf16, kept by XLA
+        prod = vals * x_ref[...].reshape(fmt.tile_k).astype(jnp.float32)
+        return acc + prod.reshape(ROWS, 128, pt).sum(-1).T
     @plgpu.inline_mgpu(arg_types=(_ACC, plgpu.RefType(), plgpu.RefType(), plgpu.RefType()),
                        return_type=plgpu.ShapeDtypeStruct((128, ROWS), jnp.float32, layout=_ACC))
     def update(_, acc_in, w_smem, s_smem, x_smem):
@@ -99,23 +153,36 @@ def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, interpret):
         xv = vector.load(ir.VectorType.get((pt,), ir.BF16Type.get()), x_smem, x_at)
         xv = arith.extf(ir.VectorType.get((pt,), f32), xv)
         xs = [vector.extract(xv, [], [e]) for e in range(pt)]
-        sv = vector.load(ir.VectorType.get((ROWS,), i8), s_smem,
-                         [ix(arith.divui(first, cst(fmt.block))), cst(0, index)])
-        scales = fmt.scales(sv)
+        scales = fmt.scales.read(s_smem, first)
         accs = [vector.extract(acc_in.registers.flat[0], [], [r]) for r in range(ROWS)]
         col = ix(arith.muli(lane, cst(8)))
         for r in range(ROWS):
             wv = vector.load(ir.VectorType.get((8,), i8), w_smem, [ix(warp), cst(r, index), col])
             words = mgpu_utils.bitcast(wv, ir.VectorType.get((2,), i32))
             vals = fmt.decode(vector.extract(words, [], [0]), vector.extract(words, [], [1]))
+            if fmt.bf16_weights:
+                vals = _bf16_rounded([arith.mulf(v, scales[r]) for v in vals])
             part = [arith.mulf(vals[0], xs[0]), arith.mulf(vals[1], xs[1])]   # two chains
             for j in range(2, pt):
                 part[j % 2] = mlir_math.fma(vals[j], xs[j], part[j % 2])
-            accs[r] = mlir_math.fma(arith.addf(part[0], part[1]), scales[r], accs[r])
+            total = arith.addf(part[0], part[1])
+            accs[r] = (arith.addf(total, accs[r]) if fmt.bf16_weights
+                       else mlir_math.fma(total, scales[r], accs[r]))
         regs = np.array([vector.from_elements(ir.VectorType.get((ROWS,), f32), accs)], dtype=object)
         return mgpu_fa.FragmentedArray(_registers=regs, _layout=_ACC.to_mgpu(), _is_signed=None)
 
     return update(acc, w_ref, s_ref, x_ref)
+
+
+def _bf16_rounded(vals):
+    """fp32 values rounded to the nearest-even bf16 (two per `cvt.rn.bf16x2.f32`), as fp32."""
+    i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+    out = []
+    for lo, hi in zip(vals[::2], vals[1::2]):
+        pair = llvm.inline_asm(i32, [hi, lo], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
+        out += [arith.bitcast(f32, arith.shli(pair, mgpu_utils.c(16, i32))),
+                arith.bitcast(f32, arith.andi(pair, mgpu_utils.c(-(1 << 16), i32)))]
+    return out
 
 
 def _item_sums(fmt, acc, red_ref, s2_ref, y_ref, *, interpret):
@@ -181,7 +248,7 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
     ctas = min(items, num_sms() * _CTAS_PER_SM)
     xs = x.astype(jnp.bfloat16).reshape(k // _X_ROW, _X_ROW)
     s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
-    x_rows, s_rows = fmt.tile_k // _X_ROW, fmt.tile_k // fmt.block
+    x_rows = fmt.tile_k // _X_ROW
 
     def kernel(x_ref, w_ref, s_ref, s2_ref, y_ref, x_smem, w_smem, s_smem, y_smem, red_smem,
                bar, xbar):
@@ -197,7 +264,8 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
             for q in range(4):
                 cols = pl.ds(kc * ROW_BYTES + q * _BOX, _BOX)
                 plgpu.copy_gmem_to_smem(w_ref.at[rows, cols], w_smem.at[slot, q], b)
-            plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(kc * s_rows, s_rows), rows], s_smem.at[slot], b)
+            box = fmt.scales.box(s_ref, item, kc)
+            plgpu.copy_gmem_to_smem(box, s_smem.at[slot, pl.ds(0, box.shape[0])], b)
 
         plgpu.copy_gmem_to_smem(x_ref, x_smem, xbar.at[0])
         for p in range(_STAGES):
@@ -239,7 +307,7 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
         kernel, out_type=jax.ShapeDtypeStruct((1, n), out_dtype),
         scratch_types=[plgpu.SMEM(xs.shape, jnp.bfloat16),
                        plgpu.SMEM((_STAGES, 4, ROWS, _BOX), u8),
-                       plgpu.SMEM((_STAGES, s_rows, ROWS), u8),
+                       plgpu.SMEM((_STAGES, *fmt.scales.slot), fmt.scales.dtype),
                        plgpu.SMEM((1, ROWS), out_dtype),
                        plgpu.SMEM((4, ROWS), jnp.float32),
                        plgpu.Barrier(num_arrivals=5, num_barriers=_STAGES),

@@ -1,6 +1,6 @@
 """MXFP8 on the one-row CUDA-core GEMV (`pallas_kernels/row_gemv.py`): 8 e4m3 codes a thread
-and tile row, two per `cvt.rn.f16x2.e4m3x2` (exact), then exact f16 -> fp32; E8M0 block
-scales (per 32) become fp32 powers of two by a shift (0 -> 2^-127, the fp32 subnormal).
+and tile row (`row_gemv.decode_e4m3`, exact); E8M0 block scales (per 32) become fp32 powers of
+two by a shift (0 -> 2^-127, the fp32 subnormal).
 
 Numerics: products x * e4m3 are exact in fp32; a thread's 8 products are summed in fp32,
 multiplied by the block scale (exact) and accumulated in fp32 -- the jnp twin's bf16 dot up to
@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, vector
+from jax._src.lib.mlir.dialects import arith, vector
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from pallas_kernels import row_gemv
@@ -20,22 +20,7 @@ from pallas_kernels import row_gemv
 from .reference import BLOCK
 
 
-def _decode(w0, w1):
-    """The 8 e4m3 bytes of two words as fp32, in K order (byte 0 of w0 first)."""
-    i16, i32, f32 = (ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32),
-                     ir.F32Type.get())
-    half2 = ir.VectorType.get((2,), ir.F16Type.get())
-    vals = []
-    for word in (w0, w1):
-        for shift in (0, 16):
-            pair = arith.trunci(i16, arith.shrui(word, mgpu_utils.c(shift, i32)) if shift else word)
-            h = llvm.inline_asm(i32, [pair], "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h")
-            v = arith.extf(ir.VectorType.get((2,), f32), mgpu_utils.bitcast(h, half2))
-            vals += [vector.extract(v, [], [0]), vector.extract(v, [], [1])]
-    return vals
-
-
-def _scales(sv):
+def _convert(sv):
     """ROWS E8M0 bytes -> fp32 2^(s - 127): s in the exponent field; s = 0 is 2^-127."""
     i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
     cst = lambda v: mgpu_utils.c(v, i32)
@@ -48,17 +33,13 @@ def _scales(sv):
     return out
 
 
-def _values(w):
-    return lax.bitcast_convert_type(w, jnp.float8_e4m3fn).astype(jnp.float32)
-
-
 def _scale_values(s):
     return jnp.ldexp(jnp.float32(1.0), s.astype(jnp.int32) - 127)
 
 
 FORMAT = row_gemv.Format(name="mxfp8_gemv", per_thread=8, block=BLOCK, factor=1.0,
-                         decode=_decode, scales=_scales, values=_values,
-                         scale_values=_scale_values)
+                         decode=row_gemv.decode_e4m3, values=row_gemv.e4m3_values,
+                         scales=row_gemv.row_scales(BLOCK, 8, _convert, _scale_values))
 
 
 def supported(m: int, n: int, k: int) -> bool:

@@ -48,13 +48,14 @@ def test_kernel_matches_oracle(m, n, k, overrides):
     assert orc.rel_err(y, oracle(x, *w)) < 1e-5
 
 
-@pytest.mark.parametrize("n,k,sms", [(16, 2048, None), (48, 8192, 1)])
+@pytest.mark.parametrize("n,k,sms", [(16, 2048, None), (80, 8192, 1)])
 def test_one_row_runs_the_gemv(n, k, sms, monkeypatch):
-    """One activation row (here with two leading axes) goes to the CUDA-core GEMV. sms = 1: two
-    CTAs share three 16-row items (uneven) of four K tiles each, so the ring of four slots is
+    """One activation row (here with two leading axes) goes to the CUDA-core GEMV. sms = 1: the
+    CTAs of one SM share five 16-row items (unevenly) of four K tiles each, so the ring is
     refilled; the checkpoint's codes cover every E2M1 value and sign."""
     if sms:
         monkeypatch.setattr(row_gemv, "num_sms", lambda: sms)
+        assert 5 % row_gemv._CTAS_PER_SM and row_gemv._STAGES < 4     # what the case is for
     calls, real = [], gemv.gemv
     monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     x, *w = make(1, n, k, seed=n)
