@@ -73,6 +73,8 @@ class Format(NamedTuple):
     values: Callable   # jnp: uint8 [..., bytes] -> fp32 [..., per_thread / 8 * bytes]
     scales: Scales
     bf16_weights: bool = False   # every weight is bf16(value * scale) (else the sums are scaled)
+    k_step: int = 256            # K must be a multiple of this (x is staged in 256-wide rows) ...
+    min_k: int = 0               # ... and at least this (else: one weight box, tile_k / 4)
 
     @property
     def tile_k(self) -> int:
@@ -120,9 +122,15 @@ def e4m3_values(w):
     return lax.bitcast_convert_type(w, jnp.float8_e4m3fn).astype(jnp.float32)
 
 
+def _padded_k(fmt: Format, k: int) -> int:
+    return -(-k // fmt.tile_k) * fmt.tile_k
+
+
 def supported(fmt: Format, m: int, n: int, k: int) -> bool:
-    """Shapes the GEMV serves: one activation row, N a multiple of 16, K of a tile."""
-    return m == 1 and n % ROWS == 0 and k % fmt.tile_k == 0 and k <= MAX_K
+    """Shapes the GEMV serves: one activation row, N a multiple of 16, K a multiple of
+    `k_step` (a partial last tile reads zeros past K) of at least one TMA box of codes."""
+    return (m == 1 and n % ROWS == 0 and k % fmt.k_step == 0 and _padded_k(fmt, k) <= MAX_K
+            and k >= max(fmt.min_k, fmt.tile_k // 4))
 
 
 def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, interpret):
@@ -172,6 +180,14 @@ def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, interpret):
         return mgpu_fa.FragmentedArray(_registers=regs, _layout=_ACC.to_mgpu(), _is_signed=None)
 
     return update(acc, w_ref, s_ref, x_ref)
+
+
+def _warpgroup_sync():
+    @plgpu.inline_mgpu()
+    def sync(_):
+        mgpu_utils.warpgroup_barrier()
+
+    sync()
 
 
 def _bf16_rounded(vals):
@@ -234,17 +250,18 @@ def _item_sums(fmt, acc, red_ref, s2_ref, y_ref, *, interpret):
 
 @functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "interpret"))
 def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
-    """x [1, K] bf16; w_bytes uint8 codes [N, K / tile_k * 1024] (NVFP4: [N, K/2], MXFP8: the
-    e4m3 bytes [N, K]); scales uint8 [K / block, N] (one K block's row scales contiguous);
-    w_scale_2 [] / [1] f32 -> [1, N] out_dtype. Persistent CTAs take the 16-row
-    items round-robin and stream each item's K tiles through a ring of `_STAGES` slots; x sits
-    in shared memory for the whole call."""
-    n = w_bytes.shape[0]
-    k = w_bytes.shape[1] // ROW_BYTES * fmt.tile_k
-    if not supported(fmt, x.shape[0], n, k) or x.shape[1] != k:
-        raise ValueError(f"{fmt.name} serves M = 1, N % {ROWS} == 0, K % {fmt.tile_k} == 0, "
-                         f"K <= {MAX_K}; got M={x.shape[0]}, N={n}, K={x.shape[1]}")
-    kcn, items = k // fmt.tile_k, n // ROWS
+    """x [1, K] bf16; w_bytes uint8 codes [N, K * 1024 / tile_k] (NVFP4: [N, K/2], MXFP8: the
+    e4m3 bytes [N, K]); scales in the format's layout (`Scales`); w_scale_2 [] / [1] f32 ->
+    [1, N] out_dtype. Persistent CTAs take the 16-row items round-robin and stream each item's
+    K tiles through a ring of `_STAGES` slots; x sits in shared memory for the whole call. A
+    last tile past K gets zeros from TMA for its codes and scales, and zeros of x."""
+    n, k = w_bytes.shape[0], x.shape[1]
+    if not supported(fmt, x.shape[0], n, k) or w_bytes.shape[1] * fmt.tile_k != k * ROW_BYTES:
+        raise ValueError(f"{fmt.name} serves M = 1, N % {ROWS} == 0, K % {fmt.k_step} == 0, "
+                         f"{max(fmt.min_k, fmt.tile_k // 4)} <= K <= {MAX_K} with codes of K "
+                         f"columns; got M={x.shape[0]}, N={n}, K={k}, codes {w_bytes.shape}")
+    kp = _padded_k(fmt, k)
+    kcn, items = kp // fmt.tile_k, n // ROWS
     ctas = min(items, num_sms() * _CTAS_PER_SM)
     xs = x.astype(jnp.bfloat16).reshape(k // _X_ROW, _X_ROW)
     s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
@@ -267,7 +284,12 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
             box = fmt.scales.box(s_ref, item, kc)
             plgpu.copy_gmem_to_smem(box, s_smem.at[slot, pl.ds(0, box.shape[0])], b)
 
-        plgpu.copy_gmem_to_smem(x_ref, x_smem, xbar.at[0])
+        if kp > k:                                    # x's zeros past K, seen by every thread
+            x_smem.at[pl.ds(k // _X_ROW, (kp - k) // _X_ROW)][...] = jnp.zeros(
+                ((kp - k) // _X_ROW, _X_ROW), jnp.bfloat16)
+            if not interpret:
+                _warpgroup_sync()
+        plgpu.copy_gmem_to_smem(x_ref, x_smem.at[pl.ds(0, k // _X_ROW)], xbar.at[0])
         for p in range(_STAGES):
             @pl.when(p < tiles)
             def _():
@@ -305,7 +327,7 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
     u8 = jnp.uint8
     call = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((1, n), out_dtype),
-        scratch_types=[plgpu.SMEM(xs.shape, jnp.bfloat16),
+        scratch_types=[plgpu.SMEM((kp // _X_ROW, _X_ROW), jnp.bfloat16),
                        plgpu.SMEM((_STAGES, 4, ROWS, _BOX), u8),
                        plgpu.SMEM((_STAGES, *fmt.scales.slot), fmt.scales.dtype),
                        plgpu.SMEM((1, ROWS), out_dtype),

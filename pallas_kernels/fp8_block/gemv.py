@@ -6,7 +6,8 @@ dot up to the summation order.
 
 A tile's 16 rows lie in one 128-row block and its 1024 columns span 8 column blocks, so its
 scales are 8 consecutive fp32 of one row of ``w_scale_inv`` (a 32-byte TMA box), each shared by
-16 threads; the box lands in a 128-byte slot, TMA's alignment for every ring slot.
+16 threads; the box lands in a 128-byte slot, TMA's alignment for every ring slot. The box
+must fit a row of ``w_scale_inv`` (K >= 1024) whose stride TMA can take (K % 512 == 0).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _scale_values(slot):
 
 FORMAT = row_gemv.Format(
     name="fp8_block_gemv", per_thread=8, block=BLOCK, factor=1.0, decode=row_gemv.decode_e4m3,
-    values=row_gemv.e4m3_values, bf16_weights=True,
+    values=row_gemv.e4m3_values, bf16_weights=True, k_step=512, min_k=BLOCK * _TILE_BLOCKS,
     scales=row_gemv.Scales(dtype=jnp.float32, slot=(4, _TILE_BLOCKS), box=_box, read=_read,
                            values=_scale_values))
 

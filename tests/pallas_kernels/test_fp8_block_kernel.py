@@ -72,12 +72,12 @@ def test_kernel_matches_oracle(m, n, k, overrides, act_quant):
     assert orc.rel_err(y, oracle(x, wq, ws)) < 1e-5
 
 
-@pytest.mark.parametrize("n,k,sms", [(16, 1024, None), (272, 4096, 1)])
+@pytest.mark.parametrize("n,k,sms", [(16, 1024, None), (272, 4096, 1), (144, 1536, None)])
 def test_one_row_runs_the_gemv(n, k, sms, monkeypatch):
     """One W8A16 activation row goes to the CUDA-core GEMV, bf16-rounded weights as the twin's
     (fp32 and bf16 written by the kernel). sms = 1: the CTAs of one SM share seventeen 16-row
     items (unevenly) in three 128-row scale blocks, four K tiles of eight column blocks each, so
-    the ring is refilled; the blocks' scales span 2^-6 .. 2^6."""
+    the ring is refilled; K = 1536 ends in a partial tile; the blocks' scales span 2^-6 .. 2^6."""
     if sms:
         monkeypatch.setattr(row_gemv, "num_sms", lambda: sms)
         assert 17 % row_gemv._CTAS_PER_SM and row_gemv._STAGES < 4     # what the case is for
@@ -91,7 +91,8 @@ def test_one_row_runs_the_gemv(n, k, sms, monkeypatch):
     assert yb.dtype == jnp.bfloat16 and orc.rel_err(yb, oracle_w8a16(x, wq, ws)) < 4e-3
     yq = matmul_kernel(x, wq, ws, act_quant=True, out_dtype=jnp.float32, interpret=True)
     assert len(calls) == 2 and orc.rel_err(yq, oracle_w8a8(x, wq, ws)) < 1e-5   # W8A8 keeps its kernel
-    assert not gemv.supported(2, n, k) and not gemv.supported(1, n, k + 512)
+    assert not gemv.supported(2, n, k) and not gemv.supported(1, n, k + 256)
+    assert not gemv.supported(1, n, 512)                  # a scale box wider than the scale rows
 
 
 def test_activation_quantization_rule():
@@ -128,7 +129,7 @@ def test_lowers_for_hopper(m, act_quant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("act_quant", [False, True])
-@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (300, 512, 1024), (1100, 384, 640), (1100, 2560, 640)])
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 2048, 7168), (300, 512, 1024), (1100, 384, 640), (1100, 2560, 640)])
 def test_compiled_kernel_matches_oracle(m, n, k, act_quant):
     x, wq, ws = make(m, n, k, seed=5)
     y = matmul(x, wq, ws, act_quant=act_quant, backend="pallas", out_dtype=jnp.float32)

@@ -48,11 +48,12 @@ def test_kernel_matches_oracle(m, n, k, overrides):
     assert orc.rel_err(y, oracle(x, *w)) < 1e-5
 
 
-@pytest.mark.parametrize("n,k,sms", [(16, 2048, None), (80, 8192, 1)])
+@pytest.mark.parametrize("n,k,sms", [(16, 2048, None), (80, 8192, 1), (32, 2560, None)])
 def test_one_row_runs_the_gemv(n, k, sms, monkeypatch):
     """One activation row (here with two leading axes) goes to the CUDA-core GEMV. sms = 1: the
     CTAs of one SM share five 16-row items (unevenly) of four K tiles each, so the ring is
-    refilled; the checkpoint's codes cover every E2M1 value and sign."""
+    refilled; K = 2560 ends in a partial tile; the checkpoint's codes cover every E2M1 value and
+    sign."""
     if sms:
         monkeypatch.setattr(row_gemv, "num_sms", lambda: sms)
         assert 5 % row_gemv._CTAS_PER_SM and row_gemv._STAGES < 4     # what the case is for
@@ -66,11 +67,13 @@ def test_one_row_runs_the_gemv(n, k, sms, monkeypatch):
     assert yb.dtype == jnp.bfloat16 and orc.rel_err(yb, oracle(x, *w)) < 4e-3
 
 
-def test_gemv_serves_one_row_of_whole_tiles():
+def test_gemv_serves_one_row_of_whole_boxes():
     assert gemv.supported(1, 4096, 4096) and gemv.supported(1, 16, 16384)
+    assert gemv.supported(1, 4096, 4608) and gemv.supported(1, 4096, 512)
     assert not gemv.supported(2, 4096, 4096) and not gemv.supported(1, 4100, 4096)
-    assert not gemv.supported(1, 4096, 4608) and not gemv.supported(1, 4096, 18432)
-    x, *w = make(1, 64, 1024)
+    assert not gemv.supported(1, 4096, 4352 + 64) and not gemv.supported(1, 4096, 256)
+    assert not gemv.supported(1, 4096, 16384 + 256)
+    x, *w = make(1, 64, 256)
     with pytest.raises(ValueError, match="nvfp4_gemv serves M = 1"):
         gemv.gemv(x, *w, out_dtype=jnp.float32, interpret=True)
 
@@ -95,7 +98,7 @@ def test_lowers_for_hopper(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 4096, 12288), (1, 256, 1024),
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 4096, 12288), (1, 256, 1024), (1, 4096, 7168),
                                    (300, 512, 1024)])
 def test_compiled_kernel_matches_oracle(m, n, k):
     """M = 1 with K a multiple of 2048 runs the GEMV, K = 1024 the engine."""
