@@ -10,10 +10,12 @@
   returns  [..., N]  out_dtype (default x.dtype), fp32 accumulation
 
 backend="xla": the jnp twin (``reference.py``): dequantize to bf16 (exact), XLA dot.
-backend="pallas": Mosaic GPU kernel (``kernel.py`` over ``wdequant.py``): weight tiles stay
-MXFP8 in HBM and are dequantized in registers; decode-shaped calls (M <= 64) split K across
-CTAs to stream the weights at full bandwidth, larger M run the prefill tiling. interpret=True
-runs it in Mosaic GPU interpret mode (CPU). The backend is chosen once per server.
+backend="pallas": Mosaic GPU kernels (``kernel.py``): weight tiles stay MXFP8 in HBM and are
+dequantized in registers. One activation row runs the CUDA-core GEMV (``gemv.py``, over
+``pallas_kernels/row_gemv.py``); other decode-shaped calls (M <= 64) the tensor-core engine
+(``wdequant.py``) with K split across CTAs to stream the weights at full bandwidth, larger M its
+prefill tiling. interpret=True runs them in Mosaic GPU interpret mode (CPU). The backend is
+chosen once per server.
 """
 
 from __future__ import annotations
