@@ -49,7 +49,7 @@ class TensorSpec(NamedTuple):
              checkpoint tensor must have exactly (loaded as it is)
     sources  ((checkpoint name, rows), ...): the parameter is these tensors concatenated along
              axis 0; rows == 0 marks a per-tensor scalar that every source must hold with the
-             same value
+             same value; a scalar source with rows == 1 is one row (per-member scalars stacked)
     shards   concatenate per shard: [src0 part s, src1 part s, ...] for s in range(shards)
     transposed  the parameter is the (2-D) checkpoint tensor, or concatenation, transposed:
              ``shape`` and ``axes`` are the parameter's, the checkpoint holds ``shape`` reversed
@@ -96,7 +96,7 @@ def _check_tensor(name, info, shape, dtype, problems, what="") -> None:
         if info.dtype not in FLOAT_CODES:
             problems.append(f"tensor {name} has dtype {info.dtype}, expected a float type (F32/BF16/F16)")
         return
-    scalar_as_1 = tuple(shape) == () and tuple(info.shape) == (1,)
+    scalar_as_1 = {tuple(shape), tuple(info.shape)} == {(), (1,)}
     if tuple(info.shape) != tuple(shape) and not scalar_as_1:
         problems.append(f"tensor {name} has shape {list(info.shape)}, expected {list(shape)}{what}")
     code = DTYPE_CODES.get(dtype, dtype)
@@ -147,9 +147,18 @@ def validate(model_dir: Path, expected: dict, ignore: Sequence[str] = ()) -> dic
     return found
 
 
+class _ScalarRow(NamedTuple):
+    """A scalar checkpoint tensor read as a one-row array (a stacked per-member scalar)."""
+    lazy: LazyTensor
+
+    def __getitem__(self, idx):
+        return np.asarray(self.lazy[...]).reshape(1)[idx]
+
+
 def _fused_reader(name: str, spec: TensorSpec, found: dict, cast):
     """Callback reading any device slice of a parameter concatenated from ``spec.sources``."""
-    lazies = [(LazyTensor(found[src]), r) for src, r in spec.sources]
+    lazies = [(_ScalarRow(LazyTensor(found[src])) if r == 1 and tuple(found[src].shape) == () else LazyTensor(found[src]),
+                r) for src, r in spec.sources]
     if all(r == 0 for _, r in lazies):                         # one per-tensor scalar shared by all
         values = [np.asarray(lz[...]).reshape(()) for lz, _ in lazies]
         if any(v.tobytes() != values[0].tobytes() for v in values[1:]):

@@ -99,27 +99,37 @@ class KVFeatures(nnx.Module):
 
 
 @pytest.fixture(scope="module")
-def mxfp8_ckpt(tiny_ckpt, tmp_path_factory):
-    return quantize_checkpoint(tiny_ckpt, tmp_path_factory.mktemp("fused") / "mxfp8", "mxfp8")
+def fused_ckpts(tiny_ckpt, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fused")
+    return {m: quantize_checkpoint(tiny_ckpt, root / m, m) for m in ("mxfp8", "nvfp4")}
 
 
+@pytest.mark.parametrize("method", ["mxfp8", "nvfp4"])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_fused_members_load_per_shard_and_split(mxfp8_ckpt, tp):
-    mesh = make_mesh(tp)
-    model = nnx.eval_shape(lambda: prepare_linears(KVFeatures(jnp.float32), mxfp8_ckpt, mesh=mesh))
+def test_fused_members_load_per_shard_and_split(fused_ckpts, method, tp):
+    """Each member's output equals its own checkpoint tensors' product; NVFP4 members keep their
+    (different) global scales, stacked into one per-member vector."""
+    ckpt, mesh = fused_ckpts[method], make_mesh(tp)
+    model = nnx.eval_shape(lambda: prepare_linears(KVFeatures(jnp.float32), ckpt, mesh=mesh))
     graphdef, state = nnx.split(model)
     expected = expected_tensors(nnx.to_flat_state(state))
     assert expected["kv.weight"].sources == tuple((f"{m}.weight", 32) for m, _ in MEMBERS)
-    params = load_params(mxfp8_ckpt, expected, jnp.float32, mesh, progress=False, ignore=("model.",))
-    assert params["kv.weight"].dtype == jnp.float8_e4m3fn and params["kv.weight_scale"].shape == (2, 128)   # transposed
+    params = load_params(ckpt, expected, jnp.float32, mesh, progress=False, ignore=("model.",))
+    from kk_jax.checkpoint.safetensors_io import LazyTensor, index_checkpoint
+    idx = index_checkpoint(ckpt)
+    read = lambda name, suffix: LazyTensor(idx[f"{name}.{suffix}"])[...]
+    if method == "mxfp8":
+        assert params["kv.weight"].dtype == jnp.float8_e4m3fn and params["kv.weight_scale"].shape == (2, 128)
+    else:
+        s2 = [float(np.asarray(read(name, "weight_scale_2")).reshape(())) for name, _ in MEMBERS]
+        assert len(set(s2)) > 1 and params["kv.weight_scale_2"].tolist() == s2
     nnx.replace_by_pure_dict(state, {"kv": {k.split(".")[1]: v for k, v in params.items()}})
     model = nnx.merge(graphdef, state)
     x = jax.random.normal(jax.random.key(2), (3, 64), jnp.float32)
     outs = model.kv.split(jax.jit(lambda x: model.kv(x))(x))
-    from kk_jax.checkpoint.safetensors_io import LazyTensor, index_checkpoint
-    idx = index_checkpoint(mxfp8_ckpt)
     for (name, _), y in zip(MEMBERS, outs):
-        w = qo.dequant_mxfp8(LazyTensor(idx[f"{name}.weight"])[...], LazyTensor(idx[f"{name}.weight_scale"])[...])
+        w = (qo.dequant_mxfp8(read(name, "weight"), read(name, "weight_scale")) if method == "mxfp8" else
+             qo.dequant_nvfp4(read(name, "weight"), read(name, "weight_scale"), read(name, "weight_scale_2")))
         assert rel_err(y, qo.matmul(np.asarray(x), w)) < 1e-5
 
 
@@ -168,7 +178,7 @@ class Layer(nnx.Module):
 @pytest.mark.parametrize("method,intermediate,tp,fused", [
     (None, 256, 1, True), ("mxfp8", 256, 2, True), ("fp8_block", 256, 2, True),
     ("fp8_block", 64, 1, False),       # 64-row members: not whole 128-row blocks
-    ("nvfp4", 256, 1, False),          # per-tensor global scales differ between members
+    ("nvfp4", 256, 2, True),           # members keep their own global scales
 ])
 def test_sibling_projections_fuse_when_one_matmul_can_hold_them(method, intermediate, tp, fused):
     from kk_jax.models.layers.linear import fuse_projections

@@ -103,9 +103,11 @@ def test_llm_generates_the_dequantized_models_tokens(quantized, algo):
     llm = LLM(ckpt, **SMALL)
     weights = dict(zip([".".join(map(str, p)) for p, _ in nnx.to_flat_state(
         jax.tree.unflatten(llm.engine.runner.treedef, llm.engine.runner.weights))], llm.engine.runner.weights))
-    # q, k, v run as one fused matmul for MXFP8; not for block FP8 here (64-row projections are
-    # not whole 128-row blocks) nor for NVFP4 (the members' per-tensor global scales differ)
-    q = weights[f"{QKV_PROJ}.weight" if algo == "mxfp8" else f"{Q_PROJ}.weight"]
+    # q, k, v run as one fused matmul for MXFP8 and NVFP4 (each member keeping its global scale);
+    # not for block FP8 here (64-row projections are not whole 128-row blocks)
+    q = weights[f"{QKV_PROJ}.weight" if algo != "fp8_block" else f"{Q_PROJ}.weight"]
+    if algo == "nvfp4":
+        assert weights[f"{QKV_PROJ}.weight_scale_2"].shape == (3,)
     assert q.dtype == {"fp8_block": jax.numpy.float8_e4m3fn, "mxfp8": jax.numpy.float8_e4m3fn,
                        "nvfp4": jax.numpy.uint8}[algo]                      # kept quantized on the device
     got = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0].token_ids

@@ -203,14 +203,23 @@ class FusedLinear(nnx.Module):
                 per_row = shape[0] / n
                 setattr(self, suffix, _param(shape, dt, self.axes, suffix, sources=self._sources(suffix, per_row),
                                              shards=shards))
-            else:   # per-tensor scalars: members must agree (checked by the loader)
-                setattr(self, suffix, _param(shape, dt, (), sources=self._sources(suffix, 0), shards=1))
+            else:   # per-tensor scalars, one per member (NVFP4's global scales differ between members)
+                setattr(self, suffix, _param((len(self.members),), dt, (None,), shards=1,
+                                             sources=tuple((f"{m}.{suffix}", 1) for m, _ in self.members)))
         self.quant, self.block, self.backend, self.mesh = method, tuple(block), backend, mesh
         self.act_quant, self.interpret = act_quant, interpret
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """x [..., K] -> [..., sum(N_i)] in the fused (per-shard interleaved) order; see split."""
-        return Linear.__call__(self, x)
+        """x [..., K] -> [..., sum(N_i)] in the fused (per-shard interleaved) order; see split.
+        NVFP4: the kernel runs with a global scale of 1 and an fp32 output, which each
+        member's ``weight_scale_2`` then multiplies (one rounding to x's dtype, as unfused)."""
+        if self.quant != "nvfp4":
+            return Linear.__call__(self, x)
+        w, s, s2 = self._quant_operands()
+        y = linear_matmul(x, (w, s, jnp.ones((), jnp.float32)), method="nvfp4", axes=self.axes, backend=self.backend,
+                          mesh=self.mesh, interpret=self.interpret, out_dtype=jnp.float32)
+        per_shard = [jnp.broadcast_to(s2[i], (n // self.shards,)) for i, (_, n) in enumerate(self.members)]
+        return (y * jnp.tile(jnp.concatenate(per_shard), self.shards)).astype(x.dtype)
 
     _quant_operands = Linear._quant_operands
     bias = None
@@ -289,8 +298,8 @@ def fuse_projections(model: nnx.Module, qcfg: QuantConfig | None = None, tensor_
     Decode streams every weight once per step; one larger matmul instead of two or three small
     ones saves their launches and tails. A group is fused only when its members can share one
     matmul and one load: plain Linears without bias, the same tensor-parallel split, one
-    quantization format other than NVFP4 (whose per-tensor global scales differ between
-    members), and for block FP8 whole 128-row blocks per member and shard. Call it on a freshly
+    quantization format (NVFP4 members keep their own global scales, applied to their columns
+    of the output), and for block FP8 whole 128-row blocks per member and shard. Call it on a freshly
     built (or abstract) model before :func:`quantize_linears`; models call :func:`project`,
     which works either way. Returns the fused modules' names."""
     names = set(tensor_names) if tensor_names is not None else None
@@ -306,7 +315,7 @@ def fuse_projections(model: nnx.Module, qcfg: QuantConfig | None = None, tensor_
                 continue
             methods = {qcfg.method_for(n, names) if qcfg else None for n in full}
             method = methods.pop() if len(methods) == 1 else "mixed"
-            if method in ("mixed", "nvfp4"):
+            if method == "mixed":
                 continue
             shards = _tp_shards(linears[0].axes, mesh, 0)
             if method == "fp8_block" and any(lin.out_features % shards or (lin.out_features // shards) % qcfg.block[0]
