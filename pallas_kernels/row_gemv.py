@@ -1,6 +1,6 @@
 """Weight-streaming GEMV for a single activation row (decode at batch 1) on CUDA cores, for
-quantized formats whose codes take 8 bytes per thread and tile row: NVFP4 (16 codes), MXFP8 and
-block FP8 (8 codes).
+weight formats whose codes take 8 bytes per thread and tile row: NVFP4 (16 codes), MXFP8 and
+block FP8 (8 codes), bf16 (4 weights, no scales).
 
     y [1, N] = x [1, K] (bf16) @ dequant(w)^T, fp32 accumulation, rounded once to out_dtype
 
@@ -71,7 +71,7 @@ class Format(NamedTuple):
     factor: float      # constant every output is multiplied by (with w_scale_2)
     decode: Callable   # inline: (i32 word, i32 word) -> per_thread fp32 values, in K order
     values: Callable   # jnp: uint8 [..., bytes] -> fp32 [..., per_thread / 8 * bytes]
-    scales: Scales
+    scales: Scales | None        # None: unscaled weights (bf16)
     bf16_weights: bool = False   # every weight is bf16(value * scale) (else the sums are scaled)
     k_step: int = 256            # K must be a multiple of this (x is staged in 256-wide rows) ...
     min_k: int = 0               # ... and at least this (else: one weight box, tile_k / 4)
@@ -140,15 +140,18 @@ def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, interpret):
     pt = fmt.per_thread
     if interpret:
         w = jnp.concatenate([w_ref[q] for q in range(4)], axis=1)              # [ROWS, 1024]
-        scale = jnp.repeat(fmt.scales.values(s_ref[...]), fmt.block, axis=0).T   # [ROWS, tile K]
-        vals = fmt.values(w) * scale
+        vals = fmt.values(w)
+        if fmt.scales is not None:
+            vals = vals * jnp.repeat(fmt.scales.values(s_ref[...]), fmt.block, axis=0).T
         if fmt.bf16_weights:
             vals = lax.reduce_precision(vals, exponent_bits=8, mantissa_bits=7)   # bf16, kept by XLA
         prod = vals * x_ref[...].reshape(fmt.tile_k).astype(jnp.float32)
         return acc + prod.reshape(ROWS, 128, pt).sum(-1).T
-    @plgpu.inline_mgpu(arg_types=(_ACC, plgpu.RefType(), plgpu.RefType(), plgpu.RefType()),
+    refs = (w_ref, x_ref) + ((s_ref,) if fmt.scales is not None else ())
+
+    @plgpu.inline_mgpu(arg_types=(_ACC,) + (plgpu.RefType(),) * len(refs),
                        return_type=plgpu.ShapeDtypeStruct((128, ROWS), jnp.float32, layout=_ACC))
-    def update(_, acc_in, w_smem, s_smem, x_smem):
+    def update(_, acc_in, w_smem, x_smem, s_smem=None):
         f32, i32, index = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IndexType.get()
         i8 = ir.IntegerType.get_signless(8)
         cst = lambda v, ty=i32: mgpu_utils.c(v, ty)
@@ -161,7 +164,7 @@ def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, interpret):
         xv = vector.load(ir.VectorType.get((pt,), ir.BF16Type.get()), x_smem, x_at)
         xv = arith.extf(ir.VectorType.get((pt,), f32), xv)
         xs = [vector.extract(xv, [], [e]) for e in range(pt)]
-        scales = fmt.scales.read(s_smem, first)
+        scales = fmt.scales.read(s_smem, first) if fmt.scales is not None else None
         accs = [vector.extract(acc_in.registers.flat[0], [], [r]) for r in range(ROWS)]
         col = ix(arith.muli(lane, cst(8)))
         for r in range(ROWS):
@@ -174,12 +177,12 @@ def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, interpret):
             for j in range(2, pt):
                 part[j % 2] = mlir_math.fma(vals[j], xs[j], part[j % 2])
             total = arith.addf(part[0], part[1])
-            accs[r] = (arith.addf(total, accs[r]) if fmt.bf16_weights
-                       else mlir_math.fma(total, scales[r], accs[r]))
+            accs[r] = (mlir_math.fma(total, scales[r], accs[r]) if scales and not fmt.bf16_weights
+                       else arith.addf(total, accs[r]))
         regs = np.array([vector.from_elements(ir.VectorType.get((ROWS,), f32), accs)], dtype=object)
         return mgpu_fa.FragmentedArray(_registers=regs, _layout=_ACC.to_mgpu(), _is_signed=None)
 
-    return update(acc, w_ref, s_ref, x_ref)
+    return update(acc, *refs)
 
 
 def _warpgroup_sync():
@@ -266,9 +269,14 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
     xs = x.astype(jnp.bfloat16).reshape(k // _X_ROW, _X_ROW)
     s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
     x_rows = fmt.tile_k // _X_ROW
+    scaled = fmt.scales is not None
 
-    def kernel(x_ref, w_ref, s_ref, s2_ref, y_ref, x_smem, w_smem, s_smem, y_smem, red_smem,
-               bar, xbar):
+    def kernel(*refs):
+        if scaled:
+            x_ref, w_ref, s_ref, s2_ref, y_ref, x_smem, w_smem, s_smem, y_smem, red_smem, bar, xbar = refs
+        else:
+            x_ref, w_ref, s2_ref, y_ref, x_smem, w_smem, y_smem, red_smem, bar, xbar = refs
+            s_ref = s_smem = None
         c = lax.axis_index("c")
         tiles = lax.div(items - c + ctas - 1, ctas) * kcn     # items c, c + ctas, ... x K tiles
 
@@ -281,8 +289,9 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
             for q in range(4):
                 cols = pl.ds(kc * ROW_BYTES + q * _BOX, _BOX)
                 plgpu.copy_gmem_to_smem(w_ref.at[rows, cols], w_smem.at[slot, q], b)
-            box = fmt.scales.box(s_ref, item, kc)
-            plgpu.copy_gmem_to_smem(box, s_smem.at[slot, pl.ds(0, box.shape[0])], b)
+            if scaled:
+                box = fmt.scales.box(s_ref, item, kc)
+                plgpu.copy_gmem_to_smem(box, s_smem.at[slot, pl.ds(0, box.shape[0])], b)
 
         if kp > k:                                    # x's zeros past K, seen by every thread
             x_smem.at[pl.ds(k // _X_ROW, (kp - k) // _X_ROW)][...] = jnp.zeros(
@@ -300,7 +309,7 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
             slot = lax.rem(i, _STAGES)
             item, kc = where(i)
             plgpu.barrier_wait(bar.at[slot])
-            acc = _tile_update(fmt, acc, w_smem.at[slot], s_smem.at[slot],
+            acc = _tile_update(fmt, acc, w_smem.at[slot], s_smem.at[slot] if scaled else None,
                                x_smem.at[pl.ds(kc * x_rows, x_rows)], interpret=interpret)
             plgpu.commit_smem()                           # every thread is done with the slot
 
@@ -329,12 +338,12 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
         kernel, out_type=jax.ShapeDtypeStruct((1, n), out_dtype),
         scratch_types=[plgpu.SMEM((kp // _X_ROW, _X_ROW), jnp.bfloat16),
                        plgpu.SMEM((_STAGES, 4, ROWS, _BOX), u8),
-                       plgpu.SMEM((_STAGES, *fmt.scales.slot), fmt.scales.dtype),
+                       *([plgpu.SMEM((_STAGES, *fmt.scales.slot), fmt.scales.dtype)] if scaled else []),
                        plgpu.SMEM((1, ROWS), out_dtype),
                        plgpu.SMEM((4, ROWS), jnp.float32),
-                       plgpu.Barrier(num_arrivals=5, num_barriers=_STAGES),
+                       plgpu.Barrier(num_arrivals=4 + scaled, num_barriers=_STAGES),
                        plgpu.Barrier(num_arrivals=1, num_barriers=1)],
         grid=(ctas,), grid_names=("c",),
         compiler_params=hand_synced(approx_math=False),
         **interpret_kwargs(interpret))
-    return call(xs, w_bytes, scales, s2)
+    return call(xs, w_bytes, *([scales] if scaled else []), s2)

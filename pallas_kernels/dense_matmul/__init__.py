@@ -7,9 +7,10 @@
   returns  [..., N]  out_dtype (default x.dtype), fp32 accumulation
 
 A decode step reads every weight once for a handful of tokens, so its matmuls are bound by
-HBM bandwidth. backend="pallas" runs the dequantizing engine's weight-streaming tiling
-(``pallas_kernels/mxfp8/wdequant.py``, format ``bf16``: TMA-pipelined 64-row weight tiles,
-swapped wgmma with the tokens in its N dimension, K split over CTAs) for M <= 64 rows.
+HBM bandwidth. backend="pallas" runs one row on the CUDA-core GEMV (``gemv.py`` over
+``pallas_kernels/row_gemv.py``) and up to 64 rows on the dequantizing engine's weight-streaming
+tiling (``pallas_kernels/mxfp8/wdequant.py``, format ``bf16``: TMA-pipelined 64-row weight
+tiles, swapped wgmma with the tokens in its N dimension, K split over CTAs).
 Unquantized linears use it at batch-1 decode when the engine's ``dense_decode_backend`` resolves
 to pallas, the default on a GPU (faster than XLA's GEMV at one row, not from 8 rows: ``kernel.py``). backend="xla" is
 the jnp twin (XLA's dot).

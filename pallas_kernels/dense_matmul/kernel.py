@@ -1,7 +1,8 @@
-"""Dense bf16 weight-streaming matmul on Hopper: the shared engine (``wdequant.py``, format
-``bf16``) with its decode tiling. Against XLA's dot on the same bf16 weights (one H200, one
-process): at one row 1.46x on 4096x4096 (11.7 vs 17.0 us), 1.12x on 6144x4096, 1.03x on
-24576x4096, 0.97x on 4096x12288; at 8 and 64 rows 0.91-1.03x (XLA's GEMM is as good there)."""
+"""Dense bf16 weight-streaming matmul on Hopper: one row on the CUDA-core GEMV (``gemv.py``),
+more on the shared engine (``wdequant.py``, format ``bf16``) with its decode tiling. One H200,
+one process, device µs at one row (RESULTS.md 2026-12-01 part 22), XLA / engine / GEMV:
+6144x4096 17.6 / 15.1 / 13.5, 4096x4096 12.4 / 10.9 / 9.6, 24576x4096 50.8 / 46.4 / 46.7,
+4096x12288 29.1 / 26.0 / 24.7. At 8 and 64 rows the engine runs 0.91-1.03x XLA's GEMM."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.mxfp8 import wdequant as wd
 
+from . import gemv
 from .reference import validate
 
 MAX_ROWS = 64       # the decode tiling's largest token tile; more rows belong to XLA's GEMM
@@ -23,6 +25,8 @@ def matmul_kernel(x, w, *, out_dtype=None, interpret=False, **plan_overrides):
     m, n = x2.shape[0], w.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"the weight-streaming kernel takes at most {MAX_ROWS} rows, got {m}")
+    if not plan_overrides and gemv.supported(m, n, k):
+        return gemv.gemv(x2, w, out_dtype=jnp.dtype(out_dtype), interpret=interpret).reshape(*lead, n)
     np_, kp = wd.round_up(n, wd.BN), wd.round_up(k, 64)
     # N % 64 / K % 64 padding copies the weight (no real layer needs it).
     wp = wd.pad_cols(wd.pad_rows(w, np_), kp)

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.dense_matmul import MAX_ROWS, matmul, matmul_kernel, matmul_reference
+from pallas_kernels import row_gemv
+from pallas_kernels.dense_matmul import MAX_ROWS, gemv, matmul, matmul_kernel, matmul_reference
 
 
 def make(m, n, k, seed=0):
@@ -39,6 +40,24 @@ def test_kernel_matches_oracle(m, n, k, overrides):
     assert y.shape == (m, n)
     assert rel_err(y, oracle(x, w)) < 1e-5
     assert rel_err(y, np.asarray(matmul_reference(x, w, out_dtype=jnp.float32), np.float64)) < 1e-5
+
+
+@pytest.mark.parametrize("n,k,sms", [(16, 512, None), (80, 1280, 1)])
+def test_one_row_runs_the_gemv(n, k, sms, monkeypatch):
+    """One row goes to the CUDA-core GEMV (fp32 and bf16 written by the kernel). sms = 1: the
+    CTAs of one SM share five 16-row items (unevenly) of three K tiles each, the last partial,
+    so the ring is refilled."""
+    if sms:
+        monkeypatch.setattr(row_gemv, "num_sms", lambda: sms)
+        assert 5 % row_gemv._CTAS_PER_SM and row_gemv._STAGES < 3     # what the case is for
+    calls, real = [], gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x, w = make(1, n, k, seed=n)
+    y = matmul_kernel(x, w, out_dtype=jnp.float32, interpret=True)
+    assert calls and y.shape == (1, n) and rel_err(y, oracle(x, w)) < 1e-5
+    yb = matmul_kernel(x, w, interpret=True)
+    assert yb.dtype == jnp.bfloat16 and rel_err(yb, oracle(x, w)) < 4e-3
+    assert not gemv.supported(2, n, k) and not gemv.supported(1, n, k + 64)
 
 
 def test_leading_dims_and_dtype():
@@ -88,7 +107,8 @@ def test_lowers_for_hopper(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(1, 12288, 4096), (16, 4096, 12288), (64, 6144, 4096), (5, 1, 96)])
+@pytest.mark.parametrize("m,n,k", [(1, 12288, 4096), (1, 4096, 12288), (16, 4096, 12288), (64, 6144, 4096),
+                                   (5, 1, 96)])
 def test_compiled_kernel_matches_oracle(m, n, k):
     x, w = make(m, n, k, seed=11)
     assert rel_err(matmul(x, w, backend="pallas", out_dtype=jnp.float32), oracle(x, w)) < 1e-4
