@@ -122,6 +122,17 @@ def e4m3_values(w):
     return lax.bitcast_convert_type(w, jnp.float8_e4m3fn).astype(jnp.float32)
 
 
+MAX_NORM_K = 8192        # the norm weight is staged next to x
+MAX_RESIDUAL_N = 8192    # the residual is staged whole
+
+
+def fusable(n: int, k: int, out_dtype, *, norm: bool, residual: bool) -> bool:
+    """Whether `gemv` can fuse an RMSNorm of x (K) and / or a bf16 residual add (N, out_dtype)."""
+    return ((not norm or k <= MAX_NORM_K)
+            and (not residual or (n % _X_ROW == 0 and n <= MAX_RESIDUAL_N
+                                  and jnp.dtype(out_dtype) == jnp.dtype(jnp.bfloat16))))
+
+
 def _padded_k(fmt: Format, k: int) -> int:
     return -(-k // fmt.tile_k) * fmt.tile_k
 
@@ -185,6 +196,53 @@ def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, interpret):
     return update(acc, *refs)
 
 
+def _rms_normalize(x_ref, w_ref, red_ref, *, k, eps, interpret):
+    """x_ref [K / 256, 256] bf16 <- bf16(x * rsqrt(sum(x^2) / K + eps) * w), the math in fp32
+    (the models' RMSNorm); w_ref like x_ref. Every thread reads all of x, so the caller syncs
+    before and after."""
+    rows = k // _X_ROW
+    if interpret:
+        xf = x_ref[pl.ds(0, rows)].astype(jnp.float32)
+        r = lax.rsqrt(jnp.sum(xf * xf) * (1.0 / k) + eps)
+        x_ref[pl.ds(0, rows)] = (xf * r * w_ref[...].astype(jnp.float32)).astype(jnp.bfloat16)
+        return
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)
+    def normalize(_, x_smem, w_smem, red_smem):
+        f32, i32, index = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IndexType.get()
+        cst = lambda v, ty=i32: mgpu_utils.c(v, ty)
+        ix = lambda v: arith.index_cast(index, v)
+        t = mgpu_utils.thread_idx()
+        warp, lane = arith.shrui(t, cst(5)), arith.andi(t, cst(31))
+        bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+        f32x2 = ir.VectorType.get((2,), f32)
+        col = ix(arith.muli(t, cst(2)))                      # thread t: columns 2t, 2t + 1
+        xs = [arith.extf(f32x2, vector.load(bf16x2, x_smem, [cst(r, index), col])) for r in range(rows)]
+        ss = None
+        for v in xs:
+            for e in range(2):
+                xe = vector.extract(v, [], [e])
+                ss = arith.mulf(xe, xe) if ss is None else mlir_math.fma(xe, xe, ss)
+        for dist in (16, 8, 4, 2, 1):
+            ss = arith.addf(ss, mgpu_utils.shfl_bfly(ss, dist))
+        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, lane, cst(0))):
+            memref.store(ss, red_smem, [ix(warp), cst(0, index)])
+        mgpu_utils.warpgroup_barrier()
+        total = memref.load(red_smem, [cst(0, index), cst(0, index)])
+        for w in range(1, 4):
+            total = arith.addf(total, memref.load(red_smem, [cst(w, index), cst(0, index)]))
+        mean = arith.addf(arith.mulf(total, mgpu_utils.c(1.0 / k, f32)), mgpu_utils.c(eps, f32))
+        r = llvm.inline_asm(f32, [mean], "rsqrt.approx.f32 $0, $1;", "=f,f")
+        rv = vector.broadcast(f32x2, r)
+        for row, v in enumerate(xs):
+            wv = arith.extf(f32x2, vector.load(bf16x2, w_smem, [cst(row, index), col]))
+            vector.store(arith.truncf(bf16x2, arith.mulf(arith.mulf(v, rv), wv)), x_smem,
+                         [cst(row, index), col])
+        mgpu_utils.warpgroup_barrier()
+
+    normalize(x_ref, w_ref, red_ref)
+
+
 def _warpgroup_sync():
     @plgpu.inline_mgpu()
     def sync(_):
@@ -204,16 +262,21 @@ def _bf16_rounded(vals):
     return out
 
 
-def _item_sums(fmt, acc, red_ref, s2_ref, y_ref, *, interpret):
+def _item_sums(fmt, acc, red_ref, s2_ref, y_ref, res_ref, *, interpret):
     """y_ref [1, ROWS] (output dtype) <- the sum of acc [128, ROWS] over its 128 threads times
-    fmt.factor * w_scale_2 (s2_ref [1] f32 in HBM), rounded once."""
+    fmt.factor * w_scale_2 (s2_ref [1] f32 in HBM), rounded once; plus, with res_ref (the
+    item's [1, ROWS] bf16 residual), res + that, rounded again (a bf16 residual add)."""
     if interpret:
-        total = acc.sum(0, keepdims=True) * (fmt.factor * s2_ref[0])
-        y_ref[...] = total.astype(y_ref.dtype)
+        total = (acc.sum(0, keepdims=True) * (fmt.factor * s2_ref[0])).astype(y_ref.dtype)
+        if res_ref is not None:
+            total = (res_ref[...].astype(jnp.float32) + total.astype(jnp.float32)).astype(y_ref.dtype)
+        y_ref[...] = total
         return
 
-    @plgpu.inline_mgpu(arg_types=(_ACC, plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
-    def reduce(_, acc_in, red_smem, s2_gmem, y_smem):
+    refs = (red_ref, s2_ref, y_ref) + ((res_ref,) if res_ref is not None else ())
+
+    @plgpu.inline_mgpu(arg_types=(_ACC,) + (plgpu.RefType(),) * len(refs))
+    def reduce(_, acc_in, red_smem, s2_gmem, y_smem, res_smem=None):
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
         cst = lambda v, ty=i32: mgpu_utils.c(v, ty)
         ix = lambda v: arith.index_cast(index, v)
@@ -246,18 +309,28 @@ def _item_sums(fmt, acc, red_ref, s2_ref, y_ref, *, interpret):
             out_ty = ir.MemRefType(y_smem.type).element_type
             if out_ty != total.type:
                 total = arith.truncf(out_ty, total)
+            if res_smem is not None:
+                f32 = ir.F32Type.get()
+                res = arith.extf(f32, memref.load(res_smem, [cst(0, index), ix(t)]))
+                total = arith.truncf(out_ty, arith.addf(res, arith.extf(f32, total)))
             memref.store(total, y_smem, [cst(0, index), ix(t)])
 
-    reduce(acc, red_ref, s2_ref, y_ref)
+    reduce(acc, *refs)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "interpret"))
-def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
+@functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "eps", "interpret"))
+def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps=None, residual=None,
+         interpret=False):
     """x [1, K] bf16; w_bytes uint8 codes [N, K * 1024 / tile_k] (NVFP4: [N, K/2], MXFP8: the
     e4m3 bytes [N, K]); scales in the format's layout (`Scales`); w_scale_2 [] / [1] f32 ->
     [1, N] out_dtype. Persistent CTAs take the 16-row items round-robin and stream each item's
     K tiles through a ring of `_STAGES` slots; x sits in shared memory for the whole call. A
-    last tile past K gets zeros from TMA for its codes and scales, and zeros of x."""
+    last tile past K gets zeros from TMA for its codes and scales, and zeros of x.
+
+    Fusions of a decoder layer's neighbours (`fusable`): norm_weight [K] bf16 (with eps) applies
+    the models' RMSNorm to x in every CTA first (K <= MAX_NORM_K); residual [1, N] bf16 (N a
+    multiple of 256, at most MAX_RESIDUAL_N; bf16 out) is added to the output, rounded as XLA's
+    bf16 add rounds."""
     n, k = w_bytes.shape[0], x.shape[1]
     if not supported(fmt, x.shape[0], n, k) or w_bytes.shape[1] * fmt.tile_k != k * ROW_BYTES:
         raise ValueError(f"{fmt.name} serves M = 1, N % {ROWS} == 0, K % {fmt.k_step} == 0, "
@@ -269,14 +342,21 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
     xs = x.astype(jnp.bfloat16).reshape(k // _X_ROW, _X_ROW)
     s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
     x_rows = fmt.tile_k // _X_ROW
-    scaled = fmt.scales is not None
+    scaled, normed, res = fmt.scales is not None, norm_weight is not None, residual is not None
+    if not fusable(n, k, out_dtype, norm=normed, residual=res):
+        raise ValueError(f"{fmt.name} fuses RMSNorm for K <= {MAX_NORM_K} and a residual for N % 256 == 0, "
+                         f"N <= {MAX_RESIDUAL_N}, bf16 out; got N={n}, K={k}, {jnp.dtype(out_dtype).name}")
+    extras = (([norm_weight.astype(jnp.bfloat16).reshape(k // _X_ROW, _X_ROW)] if normed else [])
+              + ([residual.astype(jnp.bfloat16).reshape(n // _X_ROW, _X_ROW)] if res else []))
 
     def kernel(*refs):
-        if scaled:
-            x_ref, w_ref, s_ref, s2_ref, y_ref, x_smem, w_smem, s_smem, y_smem, red_smem, bar, xbar = refs
-        else:
-            x_ref, w_ref, s2_ref, y_ref, x_smem, w_smem, y_smem, red_smem, bar, xbar = refs
-            s_ref = s_smem = None
+        refs = list(refs)
+        take = lambda cond: refs.pop(0) if cond else None
+        x_ref, w_ref, s_ref, s2_ref, nw_ref, r_ref, y_ref = (
+            take(True), take(True), take(scaled), take(True), take(normed), take(res), take(True))
+        x_smem, w_smem, s_smem, nw_smem, r_smem, y_smem, red_smem, bar, xbar = (
+            take(True), take(True), take(scaled), take(normed), take(res), take(True), take(True), take(True),
+            take(True))
         c = lax.axis_index("c")
         tiles = lax.div(items - c + ctas - 1, ctas) * kcn     # items c, c + ctas, ... x K tiles
 
@@ -299,11 +379,16 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
             if not interpret:
                 _warpgroup_sync()
         plgpu.copy_gmem_to_smem(x_ref, x_smem.at[pl.ds(0, k // _X_ROW)], xbar.at[0])
+        for src, dst in ((nw_ref, nw_smem), (r_ref, r_smem)):
+            if src is not None:
+                plgpu.copy_gmem_to_smem(src, dst, xbar.at[0])
         for p in range(_STAGES):
             @pl.when(p < tiles)
             def _():
                 issue(p, p)
         plgpu.barrier_wait(xbar.at[0])
+        if normed:
+            _rms_normalize(x_smem, nw_smem, red_smem, k=k, eps=eps, interpret=interpret)
 
         def step(i, acc):
             slot = lax.rem(i, _STAGES)
@@ -322,7 +407,10 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
             @pl.when(last)
             def _():
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # y_smem free again
-                _item_sums(fmt, acc, red_smem, s2_ref, y_smem, interpret=interpret)
+                first = item * ROWS
+                r_item = (r_smem.at[pl.ds(lax.div(first, _X_ROW), 1), pl.ds(lax.rem(first, _X_ROW), ROWS)]
+                          if res else None)
+                _item_sums(fmt, acc, red_smem, s2_ref, y_smem, r_item, interpret=interpret)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(y_smem, y_ref.at[:, pl.ds(item * ROWS, ROWS)])
 
@@ -339,11 +427,12 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
         scratch_types=[plgpu.SMEM((kp // _X_ROW, _X_ROW), jnp.bfloat16),
                        plgpu.SMEM((_STAGES, 4, ROWS, _BOX), u8),
                        *([plgpu.SMEM((_STAGES, *fmt.scales.slot), fmt.scales.dtype)] if scaled else []),
+                       *[plgpu.SMEM(a.shape, jnp.bfloat16) for a in extras],
                        plgpu.SMEM((1, ROWS), out_dtype),
                        plgpu.SMEM((4, ROWS), jnp.float32),
                        plgpu.Barrier(num_arrivals=4 + scaled, num_barriers=_STAGES),
-                       plgpu.Barrier(num_arrivals=1, num_barriers=1)],
+                       plgpu.Barrier(num_arrivals=1 + len(extras), num_barriers=1)],
         grid=(ctas,), grid_names=("c",),
         compiler_params=hand_synced(approx_math=False),
         **interpret_kwargs(interpret))
-    return call(xs, w_bytes, *([scales] if scaled else []), s2)
+    return call(xs, w_bytes, *([scales] if scaled else []), s2, *extras)

@@ -41,18 +41,20 @@ class Qwen3Attention(nnx.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
 
-    def __call__(self, x, kv, batch: AttentionBatch, attn: PagedAttention):
-        """x [B, T, hidden]; kv = (k_pages, v_pages) -> (out [B, T, hidden], kv)."""
+    def __call__(self, x, kv, batch: AttentionBatch, attn: PagedAttention, *, norm=None, residual=None):
+        """x [B, T, hidden]; kv = (k_pages, v_pages) -> (residual + out [B, T, hidden], kv), x
+        normalised by ``norm`` first (norm and residual optional; the linears fuse them into
+        their kernels where they can)."""
         cfg = self.cfg
         b, t, _ = x.shape
-        q, k, v = project(self, "qkv_proj", x)
+        q, k, v = project(self, "qkv_proj", x, norm=norm)
         q = q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)                    # [B, T, Hq, D]
         k = k.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)                    # [B, T, Hkv, D]
         v = v.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)                    # [B, T, Hkv, D]
         q = apply_rope(self.q_norm(q), batch.positions, cfg.rope_theta)
         k = apply_rope(self.k_norm(k), batch.positions, cfg.rope_theta)
         o, k_pages, v_pages = attn(q, k, v, kv[0], kv[1], batch)                      # [B, T, Hq, D]
-        return self.o_proj(o.reshape(b, t, -1)), (k_pages, v_pages)
+        return self.o_proj(o.reshape(b, t, -1), residual=residual), (k_pages, v_pages)
 
 
 class Qwen3DecoderLayer(nnx.Module):
@@ -63,9 +65,8 @@ class Qwen3DecoderLayer(nnx.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype)
 
     def __call__(self, x, kv, batch, attn):
-        a, kv = self.self_attn(self.input_layernorm(x), kv, batch, attn)
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        h, kv = self.self_attn(x, kv, batch, attn, norm=self.input_layernorm, residual=x)
+        return self.mlp(h, norm=self.post_attention_layernorm, residual=h), kv
 
 
 class Qwen3Model(nnx.Module):

@@ -40,8 +40,8 @@ def supported(m: int, n: int, k: int) -> bool:
     return row_gemv.supported(FORMAT, m, n, k)
 
 
-def gemv(x, w, *, out_dtype, interpret=False):
+def gemv(x, w, *, out_dtype, interpret=False, **fusions):
     """x [1, K] bf16, w [N, K] bf16 -> [1, N] out_dtype."""
     w_bytes = lax.bitcast_convert_type(w, jnp.uint8).reshape(w.shape[0], 2 * w.shape[1])
     return row_gemv.gemv(FORMAT, x, w_bytes, None, jnp.ones((1,), jnp.float32), out_dtype=out_dtype,
-                         interpret=interpret)
+                         interpret=interpret, **fusions)

@@ -51,8 +51,8 @@ def supported(m: int, n: int, k: int) -> bool:
     return row_gemv.supported(FORMAT, m, n, k)
 
 
-def gemv(x, w_q, w_scale_inv, *, out_dtype, interpret=False):
+def gemv(x, w_q, w_scale_inv, *, out_dtype, interpret=False, **fusions):
     """x [1, K] bf16, w_q [N, K] e4m3, w_scale_inv [ceil(N/128), K/128] f32 -> [1, N]
     out_dtype."""
     return row_gemv.gemv(FORMAT, x, lax.bitcast_convert_type(w_q, jnp.uint8), w_scale_inv,
-                         jnp.ones((1,), jnp.float32), out_dtype=out_dtype, interpret=interpret)
+                         jnp.ones((1,), jnp.float32), out_dtype=out_dtype, interpret=interpret, **fusions)

@@ -11,13 +11,15 @@ from kk_jax import LLM, SamplingParams
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def ckpt64(tmp_path_factory):
+@pytest.fixture(scope="module", params=[128, 256], ids=["hidden128", "hidden256"])
+def ckpt64(tmp_path_factory, request):
     from checkpoints.make_tiny import make_tiny
 
-    # head_dim 64: the smallest the Mosaic GPU attention kernels take
-    return make_tiny(tmp_path_factory.mktemp("tiny-hd64"), arch="qwen3", seed=4, dtype="float32",
-                     hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=256)
+    # head_dim 64: the smallest the Mosaic GPU attention kernels take; hidden 256: every decode
+    # matmul runs the one-row GEMV, with the RMSNorms and residual adds fused into it
+    hidden = request.param
+    return make_tiny(tmp_path_factory.mktemp(f"tiny-hd64-{hidden}"), arch="qwen3", seed=4, dtype="float32",
+                     hidden_size=hidden, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=2 * hidden)
 
 
 def test_pallas_backend_matches_xla_backend(ckpt64):

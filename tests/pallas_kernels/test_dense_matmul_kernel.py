@@ -112,3 +112,41 @@ def test_lowers_for_hopper(m):
 def test_compiled_kernel_matches_oracle(m, n, k):
     x, w = make(m, n, k, seed=11)
     assert rel_err(matmul(x, w, backend="pallas", out_dtype=jnp.float32), oracle(x, w)) < 1e-4
+
+
+def fused_reference(x, w, g, res, eps):
+    """RMSNorm of x (the models' math), the bf16 product, the bf16 residual add."""
+    xf = x.astype(jnp.float32)
+    xn = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps) * g.astype(jnp.float32)).astype(jnp.bfloat16)
+    y = jnp.einsum("mk,nk->mn", xn, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    return y if res is None else res + y
+
+
+@pytest.mark.parametrize("k,with_res", [(1280, True), (1024, False)])
+def test_gemv_fuses_rms_norm_and_residual(k, with_res):
+    """The GEMV normalises x in every CTA (partial last tile at K = 1280) and adds the residual
+    after rounding, as the separate XLA ops do."""
+    rng = np.random.default_rng(k)
+    x, w = make(1, 512, k, seed=k)
+    g = jnp.asarray(1 + rng.standard_normal(k) / 10, jnp.bfloat16)
+    res = jnp.asarray(rng.standard_normal((1, 512)), jnp.bfloat16) if with_res else None
+    y = gemv.gemv(x * 3, w, out_dtype=jnp.bfloat16, norm_weight=g, eps=1e-6, residual=res, interpret=True)
+    assert rel_err(y, np.asarray(fused_reference(x * 3, w, g, res, 1e-6), np.float64)) < 4e-3
+    with pytest.raises(ValueError, match="fuses RMSNorm"):
+        gemv.gemv(x, w, out_dtype=jnp.float32, residual=jnp.zeros((1, 512), jnp.bfloat16), interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 12288)])
+def test_compiled_gemv_fusions(n, k):
+    rng = np.random.default_rng(n + k)
+    x, w = make(1, n, k, seed=n + k)
+    g = jnp.asarray(1 + rng.standard_normal(k) / 10, jnp.bfloat16)
+    res = jnp.asarray(rng.standard_normal((1, n)), jnp.bfloat16)
+    want = np.asarray(fused_reference(x * 3, w, g, res, 1e-6), np.float64)
+    if k <= 8192:
+        y = gemv.gemv(x * 3, w, out_dtype=jnp.bfloat16, norm_weight=g, eps=1e-6, residual=res)
+        assert rel_err(y, want) < 4e-3
+    y = gemv.gemv(x, w, out_dtype=jnp.bfloat16, residual=res)
+    assert rel_err(y, np.asarray(res + jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32)
+                                 .astype(jnp.bfloat16), np.float64)) < 4e-3

@@ -339,3 +339,31 @@ def test_bf16_layer_takes_its_output_from_the_kernel(monkeypatch, method):
     assert seen[-1] == "float32"
     rows = linear_mod.kernel_max_rows
     assert rows(method, jnp.bfloat16) == 4096 and rows(method, jnp.float32) == rows("nvfp4", jnp.bfloat16) == 1024
+
+
+@pytest.mark.parametrize("method", [None, "fp8_block", "mxfp8", "nvfp4"])
+def test_one_row_fuses_norm_and_residual_into_the_gemv(method, monkeypatch):
+    """A decode row on the pallas backend: the layer's RMSNorm and the residual add run inside
+    the one-row GEMV (Mosaic GPU interpreter here) and give what the separate ops give; more
+    rows keep the separate ops."""
+    from kk_jax.models.layers.norm import RMSNorm
+    from pallas_kernels import row_gemv
+
+    n, k = 512, 1024
+    lin = (dense_linear(n, k, ("heads", "embed"), seed=4) if method is None
+           else quantized_linear(method, n, k, ("heads", "embed"), seed=4))
+    rng = np.random.default_rng(5)
+    norm = RMSNorm(k, 1e-6, jnp.bfloat16)
+    norm.weight.value = jnp.asarray(1 + rng.standard_normal(k) / 10, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((1, 1, k)) * 3, jnp.bfloat16)
+    r = jnp.asarray(rng.standard_normal((1, 1, n)), jnp.bfloat16)
+    want = r + lin(norm(x))                                     # xla backend: separate ops
+    calls, real = [], row_gemv.gemv
+    monkeypatch.setattr(row_gemv, "gemv", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    lin.backend, lin.interpret = "pallas", True
+    got = lin(x, norm=norm, residual=r)
+    assert len(calls) == 1 and calls[0]["norm_weight"] is not None and calls[0]["residual"] is not None
+    assert got.dtype == jnp.bfloat16 and got.shape == (1, 1, n) and rel_err(got, want) < 4e-3
+    x2 = jnp.concatenate([x, x], axis=1)
+    assert rel_err(lin(x2, norm=norm, residual=jnp.concatenate([r, r], axis=1))[:, :1], want) < 4e-3
+    assert len(calls) == 1

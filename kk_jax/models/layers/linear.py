@@ -129,7 +129,13 @@ class Linear(nnx.Module):
     def _quant_operands(self) -> tuple:
         return tuple(getattr(self, s)[...] for s in OPERANDS[self.quant])
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, norm=None, residual: jax.Array | None = None) -> jax.Array:
+        """x [..., K] -> [..., N] in x's dtype. ``norm`` (an RMSNorm module) normalises x first;
+        ``residual`` [..., N] is added to the result (in x's dtype). Both run inside the one-row
+        GEMV where it can take them (:func:`gemv_fuses`), else as separate ops."""
+        fuse = gemv_fuses(self, x, norm, residual)
+        if norm is not None and not fuse:
+            x = norm(x)
         if self.quant is None and not dense_kernel_takes(self, x):
             y = jnp.einsum("...i,oi->...o", x, self.weight[...], preferred_element_type=jnp.float32)
         else:
@@ -138,10 +144,12 @@ class Linear(nnx.Module):
             exact_out = self.bias is not None or _tp_shards(self.axes, self.mesh, 1) > 1
             y = linear_matmul(x, self._quant_operands(), method=self.quant, axes=self.axes, block=self.block,
                               backend=self.backend, mesh=self.mesh, act_quant=self.act_quant,
-                              interpret=self.interpret, out_dtype=jnp.float32 if exact_out else x.dtype)
+                              interpret=self.interpret, out_dtype=jnp.float32 if exact_out else x.dtype,
+                              norm=norm if fuse else None, residual=residual if fuse else None)
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
-        return y.astype(x.dtype)
+        y = y.astype(x.dtype)
+        return residual + y if residual is not None and not fuse else y
 
     def dense_weight(self, dtype=None) -> jax.Array:
         """The ``[out, in]`` weight in floating point (dequantized if quantized), for code that needs
@@ -209,15 +217,20 @@ class FusedLinear(nnx.Module):
         self.quant, self.block, self.backend, self.mesh = method, tuple(block), backend, mesh
         self.act_quant, self.interpret = act_quant, interpret
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, norm=None) -> jax.Array:
         """x [..., K] -> [..., sum(N_i)] in the fused (per-shard interleaved) order; see split.
-        NVFP4: the kernel runs with a global scale of 1 and an fp32 output, which each
-        member's ``weight_scale_2`` then multiplies (one rounding to x's dtype, as unfused)."""
+        ``norm`` as for :class:`Linear`. NVFP4: the kernel runs with a global scale of 1 and an
+        fp32 output, which each member's ``weight_scale_2`` then multiplies (one rounding to x's
+        dtype, as unfused)."""
         if self.quant != "nvfp4":
-            return Linear.__call__(self, x)
+            return Linear.__call__(self, x, norm=norm)
+        fuse = gemv_fuses(self, x, norm, None)
+        if norm is not None and not fuse:
+            x = norm(x)
         w, s, s2 = self._quant_operands()
         y = linear_matmul(x, (w, s, jnp.ones((), jnp.float32)), method="nvfp4", axes=self.axes, backend=self.backend,
-                          mesh=self.mesh, interpret=self.interpret, out_dtype=jnp.float32)
+                          mesh=self.mesh, interpret=self.interpret, out_dtype=jnp.float32,
+                          norm=norm if fuse else None)
         per_shard = [jnp.broadcast_to(s2[i], (n // self.shards,)) for i, (_, n) in enumerate(self.members)]
         return (y * jnp.tile(jnp.concatenate(per_shard), self.shards)).astype(x.dtype)
 
@@ -281,13 +294,16 @@ def quantize_linears(model: nnx.Module, qcfg: QuantConfig | None, *, tensor_name
     return done
 
 
-def project(module: nnx.Module, group: str, x: jax.Array) -> list[jax.Array]:
-    """The outputs ``[..., N_i]`` of the projections ``module.FUSIBLE[group]`` names, all of ``x``:
-    one matmul when :func:`fuse_projections` fused them into ``module.<group>``, else one each."""
+def project(module: nnx.Module, group: str, x: jax.Array, norm=None) -> list[jax.Array]:
+    """The outputs ``[..., N_i]`` of the projections ``module.FUSIBLE[group]`` names, all of ``x``
+    (normalised by ``norm`` first, if given): one matmul when :func:`fuse_projections` fused them
+    into ``module.<group>``, else one each."""
     fused = getattr(module, group, None)
     if fused is not None:
-        return fused.split(fused(x))
-    return [getattr(module, m)(x) for m in module.FUSIBLE[group]]
+        return fused.split(fused(x, norm=norm))
+    if norm is not None and not all(gemv_fuses(getattr(module, m), x, norm, None) for m in module.FUSIBLE[group]):
+        x, norm = norm(x), None
+    return [getattr(module, m)(x, norm=norm) for m in module.FUSIBLE[group]]
 
 
 def fuse_projections(model: nnx.Module, qcfg: QuantConfig | None = None, tensor_names: Iterable[str] | None = None,
@@ -420,6 +436,43 @@ def dense_kernel_takes(linear, x: jax.Array) -> bool:
     return n % s0 == 0 and k % s1 == 0 and (n // s0) % 64 == 0 and (k // s1) % 64 == 0
 
 
+def _gemv_module(method):
+    """The package whose one-row GEMV serves ``method`` (None: unquantized bf16)."""
+    if method is None:
+        from pallas_kernels.dense_matmul import gemv
+    elif method == "fp8_block":
+        from pallas_kernels.fp8_block import gemv
+    elif method == "mxfp8":
+        from pallas_kernels.mxfp8 import gemv
+    else:
+        from pallas_kernels.nvfp4 import gemv
+    return gemv
+
+
+def gemv_fuses(linear, x: jax.Array, norm, residual) -> bool:
+    """Whether ``linear`` on ``x`` runs the one-row GEMV with ``norm`` (an RMSNorm of x) and / or
+    ``residual`` (added to the output) inside it: a decode row (one bf16 row) on the pallas
+    backend, W8A16 if block FP8, no bias, K not split over tensor-parallel shards, and for a
+    residual a plain output (no fused NVFP4 members' scales after the kernel)."""
+    from pallas_kernels import row_gemv
+
+    if norm is None and residual is None:
+        return False
+    if (linear.backend != "pallas" or math.prod(x.shape[:-1]) != 1 or x.dtype != jnp.bfloat16
+            or linear.bias is not None or linear.act_quant or _tp_shards(linear.axes, linear.mesh, 1) > 1):
+        return False
+    if linear.quant is None and not dense_kernel_takes(linear, x):
+        return False
+    if residual is not None and (residual.dtype != jnp.bfloat16 or isinstance(linear, FusedLinear)):
+        return False
+    if norm is not None and (norm.weight[...].shape != (x.shape[-1],) or linear.quant == "fp8_block"
+                             and tuple(linear.block) != (128, 128)):
+        return False
+    n, k = linear.out_features // _tp_shards(linear.axes, linear.mesh, 0), linear.in_features
+    return (_gemv_module(linear.quant).supported(1, n, k)
+            and row_gemv.fusable(n, k, x.dtype, norm=norm is not None, residual=residual is not None))
+
+
 def _kernel_call(method, x2, ops, *, block, backend, act_quant, interpret, out_dtype):
     if backend == "pallas" and not act_quant and x2.shape[0] >= kernel_max_rows(method, out_dtype):
         backend = "xla"
@@ -438,31 +491,47 @@ def _kernel_call(method, x2, ops, *, block, backend, act_quant, interpret, out_d
 
 
 def linear_matmul(x, ops: tuple, *, method: str | None, axes, block=(128, 128), backend="xla", mesh=None,
-                  act_quant=False, interpret=False, out_dtype=jnp.float32):
+                  act_quant=False, interpret=False, out_dtype=jnp.float32, norm=None, residual=None):
     """x [..., K] @ dequant(ops)^T -> [..., N] out_dtype for a linear's :data:`OPERANDS` (``method``
     None: the unquantized weight, for the dense kernel); fp32 accumulation, one rounding to
     ``out_dtype``. With backend="pallas" on a tp mesh the kernel runs per shard inside
     ``jax.shard_map``: column-parallel weights give N-sharded outputs, row-parallel ones partial
-    sums reduced with ``psum`` (pass an fp32 ``out_dtype`` for those)."""
+    sums reduced with ``psum`` (pass an fp32 ``out_dtype`` for those). ``norm`` / ``residual``:
+    the one-row GEMV's fusions, for calls :func:`gemv_fuses` accepted."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    call = lambda xx, *oo: _kernel_call(method, xx, oo, block=block, backend=backend, act_quant=act_quant,
-                                        interpret=interpret, out_dtype=out_dtype)
+    extras = ([norm.weight[...]] if norm is not None else []) + ([residual.reshape(1, -1)] if residual is not None else [])
+
+    def call(xx, *oo):
+        if norm is None and residual is None:
+            return _kernel_call(method, xx, oo, block=block, backend=backend, act_quant=act_quant,
+                                interpret=interpret, out_dtype=out_dtype)
+        oo, ex = oo[:len(ops)], list(oo[len(ops):])
+        fusions = dict(norm_weight=ex.pop(0), eps=float(norm.eps)) if norm is not None else {}
+        if residual is not None:
+            fusions["residual"] = ex.pop(0)
+        return _gemv_module(method).gemv(xx.astype(jnp.bfloat16), *oo, out_dtype=jnp.dtype(out_dtype),
+                                         interpret=interpret, **fusions)
+
     if backend != "pallas" or mesh is None or mesh.size == 1:
-        y = call(x2, *ops)
+        y = call(x2, *ops, *extras)
         return y.reshape(*lead, y.shape[-1])
     w_spec = spec(axes)
     t_spec = P(*reversed(tuple(w_spec)))
     op_specs = tuple(P() if o.ndim != 2 else t_spec if s in TRANSPOSED_SCALES else w_spec
                      for s, o in zip(OPERANDS[method], ops))
     col, row = tuple(w_spec)[0] == TP, tuple(w_spec)[1] == TP
+    out_spec = P(None, TP) if col else P()
+    ex_specs = ((P(),) if norm is not None else ()) + ((out_spec,) if residual is not None else ())
     if row:
+        if extras:
+            raise ValueError("a row-parallel linear cannot fuse a norm or a residual into its kernel")
         body = lambda xx, *oo: jax.lax.psum(call(xx, *oo), TP)
         fn = jax.shard_map(body, mesh=mesh, in_specs=(P(None, TP),) + op_specs, out_specs=P(), check_vma=False)
     else:
-        fn = jax.shard_map(call, mesh=mesh, in_specs=(P(),) + op_specs,
-                           out_specs=P(None, TP) if col else P(), check_vma=False)
-    y = fn(x2, *ops)
+        fn = jax.shard_map(call, mesh=mesh, in_specs=(P(),) + op_specs + ex_specs, out_specs=out_spec,
+                           check_vma=False)
+    y = fn(x2, *ops, *extras)
     return y.reshape(*lead, y.shape[-1])
 
 

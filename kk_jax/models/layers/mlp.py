@@ -20,9 +20,11 @@ class SwiGLU(nnx.Module):
         self.up_proj = Linear(hidden, intermediate, dtype, axes=("mlp", "embed"))
         self.down_proj = Linear(intermediate, hidden, dtype, axes=("embed", "mlp"))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = project(self, "gate_up_proj", x)
+    def __call__(self, x: jax.Array, *, norm=None, residual: jax.Array | None = None) -> jax.Array:
+        """``residual + down(silu(gate(norm(x))) * up(norm(x)))``, norm and residual optional (the
+        linears fuse them into their kernels where they can)."""
+        gate, up = project(self, "gate_up_proj", x, norm=norm)
         if self.limit is not None:
             gate = jnp.minimum(gate, self.limit)
             up = jnp.clip(up, -self.limit, self.limit)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(jax.nn.silu(gate) * up, residual=residual)
