@@ -50,6 +50,8 @@ _BOX = 256                   # bytes per TMA box along K (a box is at most 256 e
 _STAGES = 2                  # ring slots per CTA and CTAs per SM: a sweep on the H200 (2-5 slots,
 _CTAS_PER_SM = 3             # 2-4 CTAs) found 2 x 3 fastest, 3-6 % ahead of 4 x 2 (RESULTS.md)
 _X_ROW = 256                 # x is staged as [K / 256, 256] bf16 (same box limit)
+_SM_SMEM = 228 * 1024        # shared memory of an SM, and what each resident CTA reserves of it
+_CTA_SMEM_RESERVE = 2 * 1024  # (1 KiB) plus Mosaic's barriers and alignment
 MAX_K = 16384                # x must fit shared memory next to the ring (32 KiB of bf16)
 _ACC = plgpu.Layout.WG_STRIDED((128, ROWS), ROWS)   # thread t: its ROWS row sums
 
@@ -338,7 +340,6 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
                          f"columns; got M={x.shape[0]}, N={n}, K={k}, codes {w_bytes.shape}")
     kp = _padded_k(fmt, k)
     kcn, items = kp // fmt.tile_k, n // ROWS
-    ctas = min(items, num_sms() * _CTAS_PER_SM)
     xs = x.astype(jnp.bfloat16).reshape(k // _X_ROW, _X_ROW)
     s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
     x_rows = fmt.tile_k // _X_ROW
@@ -348,6 +349,10 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
                          f"N <= {MAX_RESIDUAL_N}, bf16 out; got N={n}, K={k}, {jnp.dtype(out_dtype).name}")
     extras = (([norm_weight.astype(jnp.bfloat16).reshape(k // _X_ROW, _X_ROW)] if normed else [])
               + ([residual.astype(jnp.bfloat16).reshape(n // _X_ROW, _X_ROW)] if res else []))
+    # as many CTAs per SM as are resident at once (a persistent grid must not run in waves)
+    slot = ROWS * ROW_BYTES + (np.prod(fmt.scales.slot) * jnp.dtype(fmt.scales.dtype).itemsize if scaled else 0)
+    smem = 2 * kp + _STAGES * slot + sum(2 * a.size for a in extras) + 4 * ROWS * 4 + ROWS * 4
+    ctas = min(items, num_sms() * max(1, min(_CTAS_PER_SM, _SM_SMEM // (smem + _CTA_SMEM_RESERVE))))
 
     def kernel(*refs):
         refs = list(refs)
