@@ -452,8 +452,9 @@ def _gemv_module(method):
 def gemv_fuses(linear, x: jax.Array, norm, residual) -> bool:
     """Whether ``linear`` on ``x`` runs the one-row GEMV with ``norm`` (an RMSNorm of x) and / or
     ``residual`` (added to the output) inside it: a decode row (one bf16 row) on the pallas
-    backend, W8A16 if block FP8, no bias, K not split over tensor-parallel shards, and for a
-    residual a plain output (no fused NVFP4 members' scales after the kernel)."""
+    backend, W8A16 with 128x128 blocks if block FP8, no bias, K not split over tensor-parallel
+    shards, shapes the GEMV serves (`row_gemv.supported`, `row_gemv.fusable`), and for a
+    residual a plain Linear (a fused layer's output is split, NVFP4's scaled after the kernel)."""
     from pallas_kernels import row_gemv
 
     if norm is None and residual is None:
@@ -463,10 +464,11 @@ def gemv_fuses(linear, x: jax.Array, norm, residual) -> bool:
         return False
     if linear.quant is None and not dense_kernel_takes(linear, x):
         return False
+    if linear.quant == "fp8_block" and tuple(linear.block) != (128, 128):
+        return False
     if residual is not None and (residual.dtype != jnp.bfloat16 or isinstance(linear, FusedLinear)):
         return False
-    if norm is not None and (norm.weight[...].shape != (x.shape[-1],) or linear.quant == "fp8_block"
-                             and tuple(linear.block) != (128, 128)):
+    if norm is not None and norm.weight[...].shape != (x.shape[-1],):
         return False
     n, k = linear.out_features // _tp_shards(linear.axes, linear.mesh, 0), linear.in_features
     return (_gemv_module(linear.quant).supported(1, n, k)
