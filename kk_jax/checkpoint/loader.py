@@ -157,8 +157,11 @@ class _ScalarRow(NamedTuple):
 
 def _fused_reader(name: str, spec: TensorSpec, found: dict, cast):
     """Callback reading any device slice of a parameter concatenated from ``spec.sources``."""
-    lazies = [(_ScalarRow(LazyTensor(found[src])) if r == 1 and tuple(found[src].shape) == () else LazyTensor(found[src]),
-                r) for src, r in spec.sources]
+    def lazy(src, r):
+        tensor = LazyTensor(found[src])
+        return _ScalarRow(tensor) if r == 1 and tuple(found[src].shape) == () else tensor
+
+    lazies = [(lazy(src, r), r) for src, r in spec.sources]
     if all(r == 0 for _, r in lazies):                         # one per-tensor scalar shared by all
         values = [np.asarray(lz[...]).reshape(()) for lz, _ in lazies]
         if any(v.tobytes() != values[0].tobytes() for v in values[1:]):
