@@ -200,7 +200,7 @@ def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, interpret):
 
 def _rms_normalize(x_ref, w_ref, red_ref, *, k, eps, interpret):
     """x_ref [K / 256, 256] bf16 <- bf16(x * rsqrt(sum(x^2) / K + eps) * w), the math in fp32
-    (the models' RMSNorm; `rsqrt.approx.f32`, the instruction XLA's rsqrt uses); w_ref like
+    (the models' RMSNorm, up to `rsqrt.approx.f32` and the summation order); w_ref like
     x_ref. Thread t rewrites columns 2t, 2t + 1 of every row; the warps' sums of squares meet
     in red_ref; the barrier at the end makes the normalised x whole for every thread."""
     rows = k // _X_ROW
