@@ -367,3 +367,38 @@ def test_one_row_fuses_norm_and_residual_into_the_gemv(method, monkeypatch):
     x2 = jnp.concatenate([x, x], axis=1)
     assert rel_err(lin(x2, norm=norm, residual=jnp.concatenate([r, r], axis=1))[:, :1], want) < 4e-3
     assert len(calls) == 1
+
+
+def test_fused_norm_and_residual_run_per_shard_inside_shard_map(monkeypatch):
+    """tp = 2, column-parallel MXFP8: each shard's GEMV sees the whole x and norm weight and its
+    own half of the residual. The per-shard GEMV is replaced by a jnp twin here (the Mosaic GPU
+    interpreter is not safe on two CPU devices at once)."""
+    import types
+
+    import kk_jax.models.layers.linear as linear_mod
+    from kk_jax.models.layers.norm import RMSNorm, rms_norm
+    from pallas_kernels import mxfp8 as mxfp8_kernels
+
+    seen = []
+
+    def twin(x, w, s, *, out_dtype, interpret, norm_weight=None, eps=None, residual=None):
+        seen.append((x.shape, w.shape, norm_weight.shape, residual.shape))
+        y = mxfp8_kernels.matmul(rms_norm(x, norm_weight, eps), w, s, backend="xla", out_dtype=out_dtype)
+        return residual + y
+
+    monkeypatch.setattr(linear_mod, "_gemv_module", lambda method: types.SimpleNamespace(
+        supported=lambda m, n, k: True, gemv=twin))
+    mesh = make_mesh(2)
+    lin = quantized_linear("mxfp8", 512, 1024, ("heads", "embed"), seed=2, backend="pallas", mesh=mesh)
+    for sfx in SUFFIXES["mxfp8"]:
+        v = getattr(lin, sfx)
+        v.value = jax.device_put(v.value, NamedSharding(mesh, spec(v.get_metadata()["axes"])))
+    rng = np.random.default_rng(3)
+    norm = RMSNorm(1024, 1e-6, jnp.bfloat16)
+    norm.weight.value = jnp.asarray(1 + rng.standard_normal(1024) / 10, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((1, 1024)), jnp.bfloat16)
+    r = jnp.asarray(rng.standard_normal((1, 512)), jnp.bfloat16)
+    got = jax.jit(lambda x, r: lin(x, norm=norm, residual=r))(x, r)
+    assert seen and seen[0] == ((1, 1024), (256, 1024), (1024,), (1, 256))
+    lin.backend = "xla"
+    assert rel_err(got, r + lin(norm(x))) < 4e-3
