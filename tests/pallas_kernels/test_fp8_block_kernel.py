@@ -19,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "quant"))
 import quant_oracle as orc  # noqa: E402
 
 from kk_jax.quant import fp8_block as q  # noqa: E402
-from pallas_kernels import row_gemv  # noqa: E402
 from pallas_kernels.fp8_block import gemv, matmul, matmul_kernel, matmul_reference, quantize_activations  # noqa: E402
 
 
@@ -73,16 +72,12 @@ def test_kernel_matches_oracle(m, n, k, overrides, act_quant):
 
 
 @pytest.mark.parametrize("n,k,sms", [(16, 1024, None), (272, 4096, 1), (144, 1536, None)])
-def test_one_row_runs_the_gemv(n, k, sms, monkeypatch):
+def test_one_row_runs_the_gemv(n, k, sms, gemv_spy):
     """One W8A16 activation row goes to the CUDA-core GEMV, bf16-rounded weights as the twin's
     (fp32 and bf16 written by the kernel). sms = 1: the CTAs of one SM share seventeen 16-row
     items (unevenly) in three 128-row scale blocks, four K tiles of eight column blocks each, so
     the ring is refilled; K = 1536 ends in a partial tile; the blocks' scales span 2^-6 .. 2^6."""
-    if sms:
-        monkeypatch.setattr(row_gemv, "num_sms", lambda: sms)
-        assert 17 % row_gemv._CTAS_PER_SM and row_gemv._STAGES < 4     # what the case is for
-    calls, real = [], gemv.gemv
-    monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = gemv_spy(gemv, sms, items=n // 16, tiles=-(-k // 1024))
     x, wq, ws = make(1, n, k, seed=n)
     y = matmul_kernel(x, wq, ws, out_dtype=jnp.float32, interpret=True)
     assert calls and y.shape == (1, n)

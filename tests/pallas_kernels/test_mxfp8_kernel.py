@@ -20,7 +20,6 @@ import quant_oracle as orc  # noqa: E402
 
 from kk_jax.quant import mxfp8 as q  # noqa: E402
 from pallas_kernels.common import SMEM_PER_CTA  # noqa: E402
-from pallas_kernels import row_gemv  # noqa: E402
 from pallas_kernels.mxfp8 import gemv, matmul, matmul_kernel, matmul_reference  # noqa: E402
 
 
@@ -59,15 +58,11 @@ def test_kernel_matches_oracle(m, n, k, overrides):
 
 
 @pytest.mark.parametrize("n,k,sms", [(16, 1024, None), (80, 4096, 1), (32, 1280, None)])
-def test_one_row_runs_the_gemv(n, k, sms, monkeypatch):
+def test_one_row_runs_the_gemv(n, k, sms, gemv_spy):
     """One activation row goes to the CUDA-core GEMV (fp32 and bf16 written by the kernel). sms =
     1: the CTAs of one SM share five 16-row items (unevenly) of four K tiles each, so the ring
     is refilled; K = 1280 ends in a partial tile; the weight's 32-blocks span 2^-8 .. 2^8."""
-    if sms:
-        monkeypatch.setattr(row_gemv, "num_sms", lambda: sms)
-        assert 5 % row_gemv._CTAS_PER_SM and row_gemv._STAGES < 4     # what the case is for
-    calls, real = [], gemv.gemv
-    monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = gemv_spy(gemv, sms, items=n // 16, tiles=-(-k // 1024))
     x, wq, ws = make(1, n, k, seed=n)
     y = matmul_kernel(x, wq, ws, out_dtype=jnp.float32, interpret=True)
     assert calls and y.shape == (1, n)
