@@ -47,6 +47,13 @@ class Qwen3Attention(nnx.Module):
         their kernels where they can)."""
         cfg = self.cfg
         b, t, _ = x.shape
+        fused = getattr(self, "qkv_proj", None)
+        if fused is not None and attn.takes_qkv(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                 kv[0].dtype, t):
+            o, k_pages, v_pages = attn.decode_qkv(fused(x, norm=norm), self.q_norm, self.k_norm, cfg.rope_theta,
+                                                  kv[0], kv[1], batch, num_q_heads=cfg.num_attention_heads,
+                                                  num_kv_heads=cfg.num_key_value_heads)
+            return self.o_proj(o.reshape(b, t, -1), residual=residual), (k_pages, v_pages)
         q, k, v = project(self, "qkv_proj", x, norm=norm)
         q = q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)                    # [B, T, Hq, D]
         k = k.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)                    # [B, T, Hkv, D]

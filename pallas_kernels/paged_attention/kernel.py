@@ -189,15 +189,11 @@ def paged_decode_attention_kernel(
   validate_inputs(q, k_pages, v_pages, page_table, kv_lens)
   check_kernel_support(q, k_pages)
   batch, num_q_heads, head_dim = q.shape
-  _, page_size, num_kv_heads, _ = k_pages.shape
-  max_pages = page_table.shape[1]
+  num_kv_heads = k_pages.shape[2]
   group = num_q_heads // num_kv_heads
   group_p = _padded_group(group)
   if scale is None:
     scale = 1.0 / math.sqrt(head_dim)
-  block_tokens, num_stages, num_splits = plan(
-      batch, num_kv_heads, max_pages, page_size, head_dim, k_pages.dtype, group_p,
-      num_splits=num_splits, num_stages=num_stages, block_tokens=block_tokens)
 
   # q * scale * k_scale in fp32, grouped by kv head and padded to group_p rows.
   qs = q.astype(jnp.float32) * (jnp.asarray(scale, jnp.float32)
@@ -205,7 +201,22 @@ def paged_decode_attention_kernel(
   qs = qs.reshape(batch, num_kv_heads, group, head_dim)
   qs = jnp.pad(qs, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
   qs = qs.astype(jnp.bfloat16)
+  o = attend_prepared(qs, k_pages, v_pages, page_table, kv_lens, group=group, v_scale=v_scale,
+                      interpret=interpret, num_splits=num_splits, num_stages=num_stages,
+                      block_tokens=block_tokens)
+  return o.astype(q.dtype)
 
+
+def attend_prepared(qs, k_pages, v_pages, page_table, kv_lens, *, group, v_scale=1.0,
+                    interpret=False, num_splits=None, num_stages=None, block_tokens=None):
+  """The kernel on a prepared query operand: qs [B, Hkv, group_p, D] bf16, q * scale * k_scale
+  grouped by kv head, rows past `group` zero (as `paged_decode_attention_kernel` builds it, or
+  `prologue.decode_prologue`) -> o [B, Hq, D] f32."""
+  batch, num_kv_heads, group_p, head_dim = qs.shape
+  _, page_size, _, _ = k_pages.shape
+  block_tokens, num_stages, num_splits = plan(
+      batch, num_kv_heads, page_table.shape[1], page_size, head_dim, k_pages.dtype, group_p,
+      num_splits=num_splits, num_stages=num_stages, block_tokens=block_tokens)
   o_part, lse = _paged_call(
       qs, k_pages, v_pages, page_table, kv_lens,
       num_splits=num_splits, num_stages=num_stages, block_tokens=block_tokens,
@@ -224,8 +235,7 @@ def paged_decode_attention_kernel(
                    precision=lax.Precision.HIGHEST)
     o = o / jnp.where(denom == 0.0, 1.0, denom)[:, :, None, :]
   o = o * jnp.asarray(v_scale, jnp.float32)
-  o = jnp.swapaxes(o, -1, -2).reshape(batch, num_q_heads, head_dim)
-  return o.astype(q.dtype)
+  return jnp.swapaxes(o, -1, -2).reshape(batch, num_kv_heads * group, head_dim)
 
 
 @functools.partial(jax.jit, static_argnames=("num_splits", "num_stages", "block_tokens", "interpret"))

@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from kk_jax.parallel.mesh import shard_heads
-from pallas_kernels.paged_attention import paged_decode_attention
+from kk_jax.parallel.mesh import TP, shard_heads
+from pallas_kernels.paged_attention import paged_decode_attention, prologue
+from pallas_kernels.paged_attention.kernel import _padded_group, attend_prepared
 
 _MASKED = -1e30  # finite: fully masked (padding) rows stay NaN-free
 
@@ -100,6 +101,7 @@ class PagedAttention:
     mesh: Mesh
     backend: str            # "pallas" | "xla"
     scale: float
+    interpret: bool = False  # pallas kernels in Mosaic GPU interpret mode (tests on CPU)
 
     def __call__(self, q, k, v, k_pages, v_pages, batch: AttentionBatch):
         """q [B, T, Hq, D]; k, v [B, T, Hkv, D] -> (o [B, T, Hq, D], k_pages, v_pages)."""
@@ -110,7 +112,7 @@ class PagedAttention:
             k_pages, v_pages = write_kv(k_pages, v_pages, k, v, positions, valid, page_table)
             if decode:
                 o = paged_decode_attention(q[:, 0], k_pages, v_pages, page_table, kv_lens,
-                                           scale=scale, backend=backend)[:, None]
+                                           scale=scale, backend=backend, interpret=self.interpret)[:, None]
             else:
                 b, maxp = page_table.shape
                 ps = k_pages.shape[1]
@@ -129,3 +131,42 @@ class PagedAttention:
                          in_axes=(heads, kv_heads, kv_heads, kv_heads, kv_heads, None, None, None, None),
                          out_axes=(heads, kv_heads, kv_heads))
         return fn(q, k, v, k_pages, v_pages, batch.positions, batch.valid, batch.page_table, batch.kv_lens)
+
+    def takes_qkv(self, head_dim: int, num_q_heads: int, num_kv_heads: int, pool_dtype, tokens: int) -> bool:
+        """Whether :meth:`decode_qkv` serves a layer: one decode token per sequence, the pallas
+        backend, and what the prologue kernel takes (D = 128, bf16 pages)."""
+        tp = self.mesh.shape.get(TP, 1)
+        group = num_q_heads // num_kv_heads
+        return (tokens == 1 and self.backend == "pallas" and num_kv_heads % tp == 0
+                and prologue.supported(head_dim, pool_dtype, _padded_group(group), group))
+
+    def decode_qkv(self, qkv, q_norm, k_norm, theta: float, k_pages, v_pages, batch: AttentionBatch, *,
+                   num_q_heads: int, num_kv_heads: int):
+        """A decode step from the fused q/k/v projection: qkv [B, 1, (Hq + 2 Hkv) D] (per shard: that
+        shard's q, k, v heads), per-head RMSNorms q_norm / k_norm, RoPE base theta -> (o [B, 1, Hq,
+        D], k_pages, v_pages). The norms, rotations and page writes run in one kernel
+        (`pallas_kernels.paged_attention.prologue`), then the attention kernel."""
+        d, ps = k_pages.shape[-1], k_pages.shape[1]
+        pos = batch.positions[:, 0]
+        ang = pos.astype(jnp.float32)[:, None] * theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+        page = jnp.take_along_axis(batch.page_table, (pos // ps)[:, None], axis=1)[:, 0]
+        page = jnp.where(batch.valid[:, 0], page, 0)
+        tp = self.mesh.shape.get(TP, 1)
+        hq, hkv = num_q_heads // tp, num_kv_heads // tp
+        group = hq // hkv
+        scale, interpret, eps = self.scale, self.interpret, float(q_norm.eps)
+
+        def per_shard(qkv, qw, kw, cos, sin, page, slot, k_pages, v_pages, page_table, kv_lens):
+            qs, k_pages, v_pages = prologue.decode_prologue(
+                qkv[:, 0], qw, kw, cos, sin, page, slot, k_pages, v_pages, num_q_heads=hq, num_kv_heads=hkv,
+                eps=eps, scale=scale, group_p=_padded_group(group), interpret=interpret)
+            o = attend_prepared(qs, k_pages, v_pages, page_table, kv_lens, group=group, interpret=interpret)
+            return o.reshape(o.shape[0], 1, hq, d).astype(qkv.dtype), k_pages, v_pages
+
+        heads, kv_heads = (None, None, "heads", None), (None, None, "kv_heads", None)
+        fn = shard_heads(per_shard, self.mesh,
+                         in_axes=((None, None, "heads"), None, None, None, None, None, None, kv_heads, kv_heads,
+                                  None, None),
+                         out_axes=(heads, kv_heads, kv_heads))
+        return fn(qkv, q_norm.weight[...], k_norm.weight[...], jnp.cos(ang), jnp.sin(ang), page, pos % ps,
+                  k_pages, v_pages, batch.page_table, batch.kv_lens)
