@@ -130,11 +130,13 @@ MAX_NORM_K = 8192        # the norm weight is staged next to x
 MAX_RESIDUAL_N = 8192    # the residual is staged whole
 
 
-def fusable(n: int, k: int, out_dtype, *, norm: bool, residual: bool) -> bool:
-    """Whether `gemv` can fuse an RMSNorm of x (K) and / or a bf16 residual add (N, out_dtype)."""
+def fusable(n: int, k: int, out_dtype, *, norm: bool, residual: bool, glu: bool = False) -> bool:
+    """Whether `gemv` can fuse an RMSNorm of x (K), a bf16 residual add (N, out_dtype) and / or
+    the SwiGLU of its two halves (N a multiple of 32, bf16 out, no residual)."""
+    bf16_out = jnp.dtype(out_dtype) == jnp.dtype(jnp.bfloat16)
     return ((not norm or k <= MAX_NORM_K)
-            and (not residual or (n % _X_ROW == 0 and n <= MAX_RESIDUAL_N
-                                  and jnp.dtype(out_dtype) == jnp.dtype(jnp.bfloat16))))
+            and (not residual or (n % _X_ROW == 0 and n <= MAX_RESIDUAL_N and bf16_out and not glu))
+            and (not glu or (n % (2 * ROWS) == 0 and bf16_out)))
 
 
 def _padded_k(fmt: Format, k: int) -> int:
@@ -267,21 +269,33 @@ def _bf16_rounded(vals):
     return out
 
 
-def _item_sums(fmt, acc, red_ref, s2_ref, y_ref, res_ref, *, interpret):
+def silu_times(g, u):
+    """jnp form of the GLU epilogue: silu(g) * u of bf16 g, u in fp32, rounded once to bf16 (the
+    model's ``jax.nn.silu(gate) * up`` without its intermediate roundings)."""
+    gf = g.astype(jnp.float32)
+    return (gf * jax.nn.sigmoid(gf) * u.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def _item_sums(fmt, acc, red_ref, s2_ref, y_ref, res_ref, *, interpret, s2_at=0, gate_ref=None):
     """y_ref [1, ROWS] (output dtype) <- the sum of acc [128, ROWS] over its 128 threads times
-    fmt.factor * w_scale_2 (s2_ref [1] f32 in HBM), rounded once; plus, with res_ref (the
-    item's [1, ROWS] bf16 residual), res + that, rounded again (a bf16 residual add)."""
+    fmt.factor * w_scale_2 (s2_ref[s2_at], f32 in HBM), rounded once; plus, with res_ref (the
+    item's [1, ROWS] bf16 residual), res + that, rounded again (a bf16 residual add); or, with
+    gate_ref (the [1, ROWS] bf16 gate of these rows, this item being their up projection),
+    silu(gate) * that (`silu_times`)."""
     if interpret:
-        total = (acc.sum(0, keepdims=True) * (fmt.factor * s2_ref[0])).astype(y_ref.dtype)
+        total = (acc.sum(0, keepdims=True) * (fmt.factor * s2_ref[s2_at])).astype(y_ref.dtype)
         if res_ref is not None:
             total = (res_ref[...].astype(jnp.float32) + total.astype(jnp.float32)).astype(y_ref.dtype)
+        if gate_ref is not None:
+            total = silu_times(gate_ref[...], total)
         y_ref[...] = total
         return
 
-    refs = (red_ref, s2_ref, y_ref) + ((res_ref,) if res_ref is not None else ())
+    refs = (red_ref, s2_ref, y_ref) + tuple(r for r in (res_ref, gate_ref) if r is not None)
 
     @plgpu.inline_mgpu(arg_types=(_ACC,) + (plgpu.RefType(),) * len(refs))
-    def reduce(_, acc_in, red_smem, s2_gmem, y_smem, res_smem=None):
+    def reduce(_, acc_in, red_smem, s2_gmem, y_smem, extra_smem=None):
+        res_smem, gate_smem = (extra_smem, None) if res_ref is not None else (None, extra_smem)
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
         cst = lambda v, ty=i32: mgpu_utils.c(v, ty)
         ix = lambda v: arith.index_cast(index, v)
@@ -309,23 +323,30 @@ def _item_sums(fmt, acc, red_ref, s2_ref, y_ref, res_ref, *, interpret):
             total = memref.load(red_smem, [cst(0, index), ix(t)])
             for w in range(1, 4):
                 total = arith.addf(total, memref.load(red_smem, [cst(w, index), ix(t)]))
-            s2 = memref.load(s2_gmem, [cst(0, index)])
+            s2 = memref.load(s2_gmem, [cst(s2_at, index)])
             total = arith.mulf(total, arith.mulf(s2, mgpu_utils.c(fmt.factor, s2.type)))
             out_ty = ir.MemRefType(y_smem.type).element_type
             if out_ty != total.type:
                 total = arith.truncf(out_ty, total)
+            f32 = ir.F32Type.get()
             if res_smem is not None:
-                f32 = ir.F32Type.get()
                 res = arith.extf(f32, memref.load(res_smem, [cst(0, index), ix(t)]))
                 total = arith.truncf(out_ty, arith.addf(res, arith.extf(f32, total)))
+            if gate_smem is not None:
+                g = arith.extf(f32, memref.load(gate_smem, [cst(0, index), ix(t)]))
+                # silu(g) = g / (1 + 2^(-g log2 e)), times the up value, rounded once
+                e = llvm.inline_asm(f32, [arith.mulf(g, mgpu_utils.c(-1.4426950408889634, f32))],
+                                    "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+                act = arith.divf(g, arith.addf(mgpu_utils.c(1.0, f32), e))
+                total = arith.truncf(out_ty, arith.mulf(act, arith.extf(f32, total)))
             memref.store(total, y_smem, [cst(0, index), ix(t)])
 
     reduce(acc, *refs)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "eps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "eps", "glu", "segments", "interpret"))
 def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps=None, residual=None,
-         interpret=False):
+         glu=False, segments=None, interpret=False):
     """x [1, K] bf16; w_bytes uint8 codes [N, K * 1024 / tile_k] (NVFP4: [N, K/2], MXFP8: the
     e4m3 bytes [N, K]); scales in the format's layout (`Scales`); w_scale_2 [] / [1] f32 ->
     [1, N] out_dtype. Persistent CTAs take the 16-row items round-robin and stream each item's
@@ -335,7 +356,13 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
     Fusions of a decoder layer's neighbours (`fusable`): norm_weight [K] bf16 (with eps) applies
     the models' RMSNorm to x in every CTA first (K <= MAX_NORM_K); residual [1, N] bf16 (N a
     multiple of 256, at most MAX_RESIDUAL_N; bf16 out) is added to the output, rounded as XLA's
-    bf16 add rounds."""
+    bf16 add rounds; glu (bf16 out, N a multiple of 32): the weight is a fused [gate; up]
+    projection, w_scale_2 [2] holds their two global scales, and the output [1, N / 2] is
+    silu(gate) * up of the rounded halves (`silu_times`): a CTA takes a gate item and then the
+    matching up item, keeping the gate's 16 values in shared memory.
+
+    segments (rows of each member of a fused projection, multiples of 16 summing to N; glu: two
+    halves): w_scale_2 holds one global scale per member, each applied to its member's rows."""
     n, k = w_bytes.shape[0], x.shape[1]
     if not supported(fmt, x.shape[0], n, k) or w_bytes.shape[1] * fmt.tile_k != k * ROW_BYTES:
         raise ValueError(f"{fmt.name} serves M = 1, N % {ROWS} == 0, K % {fmt.k_step} == 0, "
@@ -343,36 +370,49 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
                          f"columns; got M={x.shape[0]}, N={n}, K={k}, codes {w_bytes.shape}")
     kp = _padded_k(fmt, k)
     kcn, items = kp // fmt.tile_k, n // ROWS
+    units = items // 2 if glu else items          # what a CTA takes at a time: an item or a pair
     xs = x.astype(jnp.bfloat16).reshape(k // _X_ROW, _X_ROW)
-    s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
     x_rows = fmt.tile_k // _X_ROW
     scaled, normed, res = fmt.scales is not None, norm_weight is not None, residual is not None
-    if not fusable(n, k, out_dtype, norm=normed, residual=res):
-        raise ValueError(f"{fmt.name} fuses RMSNorm for K <= {MAX_NORM_K} and a residual for N % 256 == 0, "
-                         f"N <= {MAX_RESIDUAL_N}, bf16 out; got N={n}, K={k}, {jnp.dtype(out_dtype).name}")
+    if not fusable(n, k, out_dtype, norm=normed, residual=res, glu=glu):
+        raise ValueError(f"{fmt.name} fuses RMSNorm for K <= {MAX_NORM_K}, a residual for N % 256 == 0, "
+                         f"N <= {MAX_RESIDUAL_N}, bf16 out, and SwiGLU for N % 32 == 0, bf16 out, no residual; "
+                         f"got N={n}, K={k}, {jnp.dtype(out_dtype).name}, residual={res}, glu={glu}")
+    segments = tuple(segments or ((n // 2, n // 2) if glu else (n,)))
+    s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(-1)
+    if (sum(segments) != n or any(r % ROWS for r in segments) or (glu and segments != (n // 2,) * 2)
+            or s2.shape[0] not in (1, len(segments))):
+        raise ValueError(f"{fmt.name}: segments {segments} must be multiples of {ROWS} rows summing to N={n} "
+                         f"(two halves with glu), with one w_scale_2 each or one for all; got {s2.shape[0]}")
+    s2 = jnp.broadcast_to(s2, (len(segments),))
+    starts = np.cumsum((0,) + segments)
     extras = (([norm_weight.astype(jnp.bfloat16).reshape(k // _X_ROW, _X_ROW)] if normed else [])
               + ([residual.astype(jnp.bfloat16).reshape(n // _X_ROW, _X_ROW)] if res else []))
     # as many CTAs per SM as are resident at once (a persistent grid must not run in waves)
     slot = ROWS * ROW_BYTES + (np.prod(fmt.scales.slot) * jnp.dtype(fmt.scales.dtype).itemsize if scaled else 0)
-    smem = 2 * kp + _STAGES * slot + sum(2 * a.size for a in extras) + 4 * ROWS * 4 + ROWS * 4
-    ctas = min(items, num_sms() * max(1, min(_CTAS_PER_SM, _SM_SMEM // (smem + _CTA_SMEM_RESERVE))))
+    smem = 2 * kp + _STAGES * slot + sum(2 * a.size for a in extras) + 4 * ROWS * 4 + ROWS * 4 * (1 + glu)
+    ctas = min(units, num_sms() * max(1, min(_CTAS_PER_SM, _SM_SMEM // (smem + _CTA_SMEM_RESERVE))))
 
     def kernel(*refs):
         refs = list(refs)
         take = lambda cond: refs.pop(0) if cond else None
         x_ref, w_ref, s_ref, s2_ref, nw_ref, r_ref, y_ref = (
             take(True), take(True), take(scaled), take(True), take(normed), take(res), take(True))
-        x_smem, w_smem, s_smem, nw_smem, r_smem, y_smem, red_smem, bar, xbar = (
-            take(True), take(True), take(scaled), take(normed), take(res), take(True), take(True), take(True),
-            take(True))
+        x_smem, w_smem, s_smem, nw_smem, r_smem, y_smem, g_smem, red_smem, bar, xbar = (
+            take(True), take(True), take(scaled), take(normed), take(res), take(True), take(glu), take(True),
+            take(True), take(True))
         c = lax.axis_index("c")
-        tiles = lax.div(items - c + ctas - 1, ctas) * kcn     # items c, c + ctas, ... x K tiles
+        per_unit = kcn * (1 + glu)
+        tiles = lax.div(units - c + ctas - 1, ctas) * per_unit    # units c, c + ctas, ... x K tiles
 
         def where(i):
-            return c + lax.div(i, kcn) * ctas, lax.rem(i, kcn)
+            """(unit, item, K tile, up half of a pair) of the CTA's i-th tile."""
+            unit, j = c + lax.div(i, per_unit) * ctas, lax.rem(i, per_unit)
+            up = j >= kcn
+            return unit, unit + jnp.where(up, units, 0), lax.rem(j, kcn), up
 
         def issue(i, slot):
-            item, kc = where(i)
+            _, item, kc, _ = where(i)
             rows, b = pl.ds(item * ROWS, ROWS), bar.at[slot]
             for q in range(4):
                 cols = pl.ds(kc * ROW_BYTES + q * _BOX, _BOX)
@@ -400,7 +440,7 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
 
         def step(i, acc):
             slot = lax.rem(i, _STAGES)
-            item, kc = where(i)
+            unit, item, kc, up = where(i)
             plgpu.barrier_wait(bar.at[slot])
             acc = _tile_update(fmt, acc, w_smem.at[slot], s_smem.at[slot] if scaled else None,
                                x_smem.at[pl.ds(kc * x_rows, x_rows)], interpret=interpret)
@@ -412,15 +452,27 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
 
             last = kc == kcn - 1
 
-            @pl.when(last)
-            def _():
+            first = item * ROWS
+
+            def store(member):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # y_smem free again
-                first = item * ROWS
                 r_item = (r_smem.at[pl.ds(lax.div(first, _X_ROW), 1), pl.ds(lax.rem(first, _X_ROW), ROWS)]
                           if res else None)
-                _item_sums(fmt, acc, red_smem, s2_ref, y_smem, r_item, interpret=interpret)
+                _item_sums(fmt, acc, red_smem, s2_ref, y_smem, r_item, interpret=interpret, s2_at=member,
+                           gate_ref=g_smem)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(y_smem, y_ref.at[:, pl.ds(item * ROWS, ROWS)])
+                plgpu.copy_smem_to_gmem(y_smem, y_ref.at[:, pl.ds(unit * ROWS, ROWS)])
+
+            if glu:
+                @pl.when(last & ~up)
+                def _():
+                    _item_sums(fmt, acc, red_smem, s2_ref, g_smem, None, interpret=interpret)
+
+                pl.when(last & up)(lambda: store(1))
+            else:
+                for member in range(len(segments)):      # the item's member picks its global scale
+                    in_member = (first >= int(starts[member])) & (first < int(starts[member + 1]))
+                    pl.when(last & in_member)(functools.partial(store, member))
 
             return jnp.where(jnp.broadcast_to(last, acc.shape), jnp.zeros_like(acc), acc)
 
@@ -431,12 +483,13 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
     kernel.__name__ = fmt.name
     u8 = jnp.uint8
     call = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((1, n), out_dtype),
+        kernel, out_type=jax.ShapeDtypeStruct((1, n // 2 if glu else n), out_dtype),
         scratch_types=[plgpu.SMEM((kp // _X_ROW, _X_ROW), jnp.bfloat16),
                        plgpu.SMEM((_STAGES, 4, ROWS, _BOX), u8),
                        *([plgpu.SMEM((_STAGES, *fmt.scales.slot), fmt.scales.dtype)] if scaled else []),
                        *[plgpu.SMEM(a.shape, jnp.bfloat16) for a in extras],
                        plgpu.SMEM((1, ROWS), out_dtype),
+                       *([plgpu.SMEM((1, ROWS), out_dtype)] if glu else []),
                        plgpu.SMEM((4, ROWS), jnp.float32),
                        plgpu.Barrier(num_arrivals=4 + scaled, num_barriers=_STAGES),
                        plgpu.Barrier(num_arrivals=1 + len(extras), num_barriers=1)],

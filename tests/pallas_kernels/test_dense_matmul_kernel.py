@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import row_gemv
 from pallas_kernels.dense_matmul import MAX_ROWS, gemv, matmul, matmul_kernel, matmul_reference
 
 
@@ -129,6 +130,46 @@ def test_gemv_fuses_rms_norm_and_residual(k, with_res):
     assert rel_err(y, np.asarray(fused_reference(x * 3, w, g, res, 1e-6), np.float64)) < 4e-3
     with pytest.raises(ValueError, match="fuses RMSNorm"):
         gemv.gemv(x, w, out_dtype=jnp.float32, residual=jnp.zeros((1, 512), jnp.bfloat16), interpret=True)
+
+
+def swiglu_reference(x, w, g, eps):
+    """silu(gate) * up of the separate ops' gate and up halves (bf16), in fp32, rounded once."""
+    y = fused_reference(x, w, g, None, eps).astype(jnp.float32)
+    gate, up = y[:, :y.shape[1] // 2], y[:, y.shape[1] // 2:]
+    return np.asarray((gate * jax.nn.sigmoid(gate) * up).astype(jnp.bfloat16), np.float64)
+
+
+@pytest.mark.parametrize("n,k,sms", [(512, 1024, None), (224, 1280, 1)])
+def test_gemv_fuses_swiglu(n, k, sms, monkeypatch):
+    """[gate; up] rows in, silu(gate) * up out: a CTA takes a gate item, then its up item. With
+    one SM (3 CTAs) the 7 pairs spread unevenly, so CTAs carry a gate across several pairs; K =
+    1280 ends in a partial tile. The output is the epilogue applied to the unfused GEMV's own
+    gate and up, and close to the separate ops."""
+    if sms:
+        monkeypatch.setattr(row_gemv, "num_sms", lambda: sms)
+    rng = np.random.default_rng(n)
+    x, w = make(1, n, k, seed=n)
+    g = jnp.asarray(1 + rng.standard_normal(k) / 10, jnp.bfloat16)
+    y = gemv.gemv(x, w, out_dtype=jnp.bfloat16, norm_weight=g, eps=1e-6, glu=True, interpret=True)
+    plain = gemv.gemv(x, w, out_dtype=jnp.bfloat16, norm_weight=g, eps=1e-6, interpret=True)
+    assert y.shape == (1, n // 2) and y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(row_gemv.silu_times(plain[:, :n // 2], plain[:, n // 2:])))
+    assert rel_err(y, swiglu_reference(x, w, g, 1e-6)) < 4e-3
+    with pytest.raises(ValueError, match="SwiGLU"):
+        gemv.gemv(x, w[:n - 16], out_dtype=jnp.bfloat16, glu=True, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(24576, 4096), (1024, 1024)])
+def test_compiled_gemv_swiglu(n, k):
+    rng = np.random.default_rng(n + k)
+    x, w = make(1, n, k, seed=n + k)
+    g = jnp.asarray(1 + rng.standard_normal(k) / 10, jnp.bfloat16)
+    y = gemv.gemv(x, w, out_dtype=jnp.bfloat16, norm_weight=g, eps=1e-6, glu=True)
+    plain = gemv.gemv(x, w, out_dtype=jnp.bfloat16, norm_weight=g, eps=1e-6)
+    same = np.asarray(row_gemv.silu_times(plain[:, :n // 2], plain[:, n // 2:]), np.float64)
+    assert np.mean(np.asarray(y, np.float64) == same) > 0.99        # ex2.approx: rare last-bit flips
+    assert rel_err(y, swiglu_reference(x, w, g, 1e-6)) < 4e-3
 
 
 @pytest.mark.gpu

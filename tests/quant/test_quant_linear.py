@@ -369,6 +369,82 @@ def test_one_row_fuses_norm_and_residual_into_the_gemv(method, monkeypatch):
     assert len(calls) == 1
 
 
+def gate_up_linear(method, n, k, seed=0):
+    """A [gate; up] FusedLinear of two n-row members, each quantized on its own (NVFP4: its own
+    global scale), as the loader would fill it."""
+    rng = np.random.default_rng(seed)
+    ws = [rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k) * (1 + i) for i in range(2)]
+    lin = FusedLinear(k, [("gate_proj", n), ("up_proj", n)], jnp.bfloat16, axes=("mlp", "embed"))
+    if method is None:
+        lin.weight.value = jnp.asarray(np.concatenate(ws), jnp.bfloat16)
+        return lin
+    lin.quantize_(method)
+    for i, sfx in enumerate(SUFFIXES[method]):
+        parts = [np.asarray(QUANTIZE[method](w)[i]) for w in ws]
+        value = np.stack(parts) if parts[0].ndim == 0 else np.concatenate(parts)
+        getattr(lin, sfx).value = jnp.asarray(value.T if sfx == "weight_scale" else value)
+    return lin
+
+
+@pytest.mark.parametrize("method", [None, "fp8_block", "mxfp8", "nvfp4"])
+def test_one_row_fuses_swiglu_into_the_gate_up_gemv(method, monkeypatch):
+    """A fused [gate; up] projection at one decode row runs one GEMV that normalises x and
+    returns silu(gate) * up; it matches SiLU·mul (in fp32) of the split output of the separate
+    ops, and more rows take those ops."""
+    from kk_jax.models.layers.norm import RMSNorm
+    from pallas_kernels import row_gemv
+
+    n, k = 256, 1024
+    lin = gate_up_linear(method, n, k, seed=6)
+    rng = np.random.default_rng(8)
+    norm = RMSNorm(k, 1e-6, jnp.bfloat16)
+    norm.weight.value = jnp.asarray(1 + rng.standard_normal(k) / 10, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((1, 1, k)) * 3, jnp.bfloat16)
+    gate, up = lin.split(lin(norm(x)))                                  # xla backend: separate ops
+    separate = jax.nn.silu(gate) * up
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
+    want = gate * jax.nn.sigmoid(gate) * up
+    calls, real = [], row_gemv.gemv
+    monkeypatch.setattr(row_gemv, "gemv", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    lin.backend, lin.interpret = "pallas", True
+    got = lin.swiglu(x, norm=norm)
+    assert len(calls) == 1 and calls[0]["glu"] and calls[0]["norm_weight"] is not None
+    assert got.dtype == jnp.bfloat16 and got.shape == (1, 1, n) and rel_err(got, want) < 4e-3
+    x2 = jnp.concatenate([x, x], axis=1)
+    assert rel_err(lin.swiglu(x2, norm=norm)[:, :1], separate) < 4e-3
+    assert len(calls) == 1
+
+
+def test_fused_nvfp4_members_keep_their_global_scales_in_the_gemv(monkeypatch):
+    """q / k / v-like NVFP4 members with different global scales, fused: at one decode row the
+    GEMV applies each member's scale to its rows (and the norm) and rounds once, as the
+    separate ops do; a two-row input takes them."""
+    from kk_jax.models.layers.norm import RMSNorm
+    from pallas_kernels import row_gemv
+
+    k, members = 1024, [("q_proj", 256), ("k_proj", 64), ("v_proj", 64)]
+    rng = np.random.default_rng(9)
+    ws = [rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k) * 4 ** i for i, (_, n) in enumerate(members)]
+    lin = FusedLinear(k, members, jnp.bfloat16, axes=("heads", "embed"))
+    lin.quantize_("nvfp4")
+    for i, sfx in enumerate(SUFFIXES["nvfp4"]):
+        parts = [np.asarray(nvfp4.quantize(w)[i]) for w in ws]
+        value = np.stack(parts) if parts[0].ndim == 0 else np.concatenate(parts)
+        getattr(lin, sfx).value = jnp.asarray(value.T if sfx == "weight_scale" else value)
+    norm = RMSNorm(k, 1e-6, jnp.bfloat16)
+    norm.weight.value = jnp.asarray(1 + rng.standard_normal(k) / 10, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((1, 1, k)) * 3, jnp.bfloat16)
+    want = lin(norm(x))                                                  # xla backend
+    calls, real = [], row_gemv.gemv
+    monkeypatch.setattr(row_gemv, "gemv", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    lin.backend, lin.interpret = "pallas", True
+    got = lin(x, norm=norm)
+    assert len(calls) == 1 and calls[0]["segments"] == (256, 64, 64)
+    for g, w_ in zip(lin.split(got), lin.split(want)):                   # each member at its own scale
+        assert rel_err(g, w_) < 4e-3
+    assert rel_err(lin(jnp.concatenate([x, x], axis=1), norm=norm)[:, :1], want) < 4e-3 and len(calls) == 1
+
+
 def test_fused_norm_and_residual_run_per_shard_inside_shard_map(monkeypatch):
     """tp = 2, column-parallel MXFP8: each shard's GEMV sees the whole x and norm weight and its
     own half of the residual. The per-shard GEMV is replaced by a jnp twin here (the Mosaic GPU

@@ -219,20 +219,33 @@ class FusedLinear(nnx.Module):
 
     def __call__(self, x: jax.Array, *, norm=None) -> jax.Array:
         """x [..., K] -> [..., sum(N_i)] in the fused (per-shard interleaved) order; see split.
-        ``norm`` as for :class:`Linear`. NVFP4: the kernel runs with a global scale of 1 and an
-        fp32 output, which each member's ``weight_scale_2`` then multiplies (one rounding to x's
-        dtype, as unfused)."""
+        ``norm`` as for :class:`Linear`. NVFP4: the one-row GEMV applies each member's
+        ``weight_scale_2`` to its rows; other kernels run with a global scale of 1 and an fp32
+        output, which the members' scales then multiply (one rounding to x's dtype, as unfused)."""
         if self.quant != "nvfp4":
             return Linear.__call__(self, x, norm=norm)
-        fuse = gemv_fuses(self, x, norm, None)
-        if norm is not None and not fuse:
-            x = norm(x)
         w, s, s2 = self._quant_operands()
+        if gemv_fuses(self, x, norm, None):     # the GEMV scales each member's rows itself
+            return linear_matmul(x, (w, s, s2), method="nvfp4", axes=self.axes, backend=self.backend,
+                                 mesh=self.mesh, interpret=self.interpret, out_dtype=x.dtype, norm=norm,
+                                 segments=tuple(n // self.shards for _, n in self.members))
+        if norm is not None:
+            x = norm(x)
         y = linear_matmul(x, (w, s, jnp.ones((), jnp.float32)), method="nvfp4", axes=self.axes, backend=self.backend,
-                          mesh=self.mesh, interpret=self.interpret, out_dtype=jnp.float32,
-                          norm=norm if fuse else None)
+                          mesh=self.mesh, interpret=self.interpret, out_dtype=jnp.float32)
         per_shard = [jnp.broadcast_to(s2[i], (n // self.shards,)) for i, (_, n) in enumerate(self.members)]
         return (y * jnp.tile(jnp.concatenate(per_shard), self.shards)).astype(x.dtype)
+
+    def swiglu(self, x: jax.Array, *, norm=None) -> jax.Array:
+        """``silu(gate) * up`` of a [gate; up] fusion ([..., N / 2], x's dtype): inside the one-row
+        GEMV where it can (:func:`gemv_fuses` with ``glu``; NVFP4 members keep their own global
+        scales), else from the split output. ``norm`` as for :class:`Linear`."""
+        if not gemv_fuses(self, x, norm, None, glu=True):
+            gate, up = self.split(self(x, norm=norm))
+            return jax.nn.silu(gate) * up
+        return linear_matmul(x, self._quant_operands(), method=self.quant, axes=self.axes, block=self.block,
+                             backend=self.backend, mesh=self.mesh, interpret=self.interpret, out_dtype=x.dtype,
+                             norm=norm, glu=True)
 
     _quant_operands = Linear._quant_operands
     bias = None
@@ -449,15 +462,19 @@ def _gemv_module(method):
     return gemv
 
 
-def gemv_fuses(linear, x: jax.Array, norm, residual) -> bool:
-    """Whether ``linear`` on ``x`` runs the one-row GEMV with ``norm`` (an RMSNorm of x) and / or
-    ``residual`` (added to the output) inside it: a decode row (one bf16 row) on the pallas
-    backend, W8A16 with 128x128 blocks if block FP8, no bias, K not split over tensor-parallel
-    shards, shapes the GEMV serves (`row_gemv.supported`, `row_gemv.fusable`), and for a
-    residual a plain Linear (a fused layer's output is split, NVFP4's scaled after the kernel)."""
+def gemv_fuses(linear, x: jax.Array, norm, residual, glu: bool = False) -> bool:
+    """Whether ``linear`` on ``x`` runs the one-row GEMV with ``norm`` (an RMSNorm of x), and / or
+    ``residual`` (added to the output) or ``glu`` (silu of the first half times the second)
+    inside it: a decode row (one bf16 row) on the pallas backend, W8A16 with 128x128 blocks if
+    block FP8, no bias, K not split over tensor-parallel shards, shapes the GEMV serves
+    (`row_gemv.supported`, `row_gemv.fusable`); for a residual a plain Linear (a fused layer's
+    output is split, NVFP4's scaled after the kernel), for glu a fusion of two equal members."""
     from pallas_kernels import row_gemv
 
-    if norm is None and residual is None:
+    if norm is None and residual is None and not glu:
+        return False
+    if glu and not (isinstance(linear, FusedLinear) and len(linear.members) == 2
+                    and linear.members[0][1] == linear.members[1][1]):
         return False
     if (linear.backend != "pallas" or math.prod(x.shape[:-1]) != 1 or x.dtype != jnp.bfloat16
             or linear.bias is not None or linear.act_quant or _tp_shards(linear.axes, linear.mesh, 1) > 1):
@@ -472,7 +489,7 @@ def gemv_fuses(linear, x: jax.Array, norm, residual) -> bool:
         return False
     n, k = linear.out_features // _tp_shards(linear.axes, linear.mesh, 0), linear.in_features
     return (_gemv_module(linear.quant).supported(1, n, k)
-            and row_gemv.fusable(n, k, x.dtype, norm=norm is not None, residual=residual is not None))
+            and row_gemv.fusable(n, k, x.dtype, norm=norm is not None, residual=residual is not None, glu=glu))
 
 
 def _kernel_call(method, x2, ops, *, block, backend, act_quant, interpret, out_dtype):
@@ -493,25 +510,31 @@ def _kernel_call(method, x2, ops, *, block, backend, act_quant, interpret, out_d
 
 
 def linear_matmul(x, ops: tuple, *, method: str | None, axes, block=(128, 128), backend="xla", mesh=None,
-                  act_quant=False, interpret=False, out_dtype=jnp.float32, norm=None, residual=None):
+                  act_quant=False, interpret=False, out_dtype=jnp.float32, norm=None, residual=None, glu=False,
+                  segments=None):
     """x [..., K] @ dequant(ops)^T -> [..., N] out_dtype for a linear's :data:`OPERANDS` (``method``
     None: the unquantized weight, for the dense kernel); fp32 accumulation, one rounding to
     ``out_dtype``. With backend="pallas" on a tp mesh the kernel runs per shard inside
     ``jax.shard_map``: column-parallel weights give N-sharded outputs, row-parallel ones partial
-    sums reduced with ``psum`` (pass an fp32 ``out_dtype`` for those). ``norm`` / ``residual``:
-    the one-row GEMV's fusions, for calls :func:`gemv_fuses` accepted."""
+    sums reduced with ``psum`` (pass an fp32 ``out_dtype`` for those). ``norm`` / ``residual`` /
+    ``glu`` / ``segments`` (per-member global scales): the one-row GEMV's options, for calls
+    :func:`gemv_fuses` accepted."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     extras = ([norm.weight[...]] if norm is not None else []) + ([residual.reshape(1, -1)] if residual is not None else [])
 
     def call(xx, *oo):
-        if norm is None and residual is None:
+        if norm is None and residual is None and not glu and segments is None:
             return _kernel_call(method, xx, oo, block=block, backend=backend, act_quant=act_quant,
                                 interpret=interpret, out_dtype=out_dtype)
         oo, ex = oo[:len(ops)], list(oo[len(ops):])
         fusions = dict(norm_weight=ex.pop(0), eps=float(norm.eps)) if norm is not None else {}
         if residual is not None:
             fusions["residual"] = ex.pop(0)
+        if glu:
+            fusions["glu"] = True
+        if segments is not None:
+            fusions["segments"] = segments
         return _gemv_module(method).gemv(xx.astype(jnp.bfloat16), *oo, out_dtype=jnp.dtype(out_dtype),
                                          interpret=interpret, **fusions)
 

@@ -23,6 +23,9 @@ class SwiGLU(nnx.Module):
     def __call__(self, x: jax.Array, *, norm=None, residual: jax.Array | None = None) -> jax.Array:
         """``residual + down(silu(gate(norm(x))) * up(norm(x)))``, norm and residual optional (the
         linears fuse them into their kernels where they can)."""
+        fused = getattr(self, "gate_up_proj", None)
+        if fused is not None and self.limit is None:
+            return self.down_proj(fused.swiglu(x, norm=norm), residual=residual)
         gate, up = project(self, "gate_up_proj", x, norm=norm)
         if self.limit is not None:
             gate = jnp.minimum(gate, self.limit)
