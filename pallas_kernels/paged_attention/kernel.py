@@ -15,9 +15,9 @@ N dimension of wgmma instead of being padded to M = 64:
 with T = block_tokens (64 or 128), Gp = query group padded to 16, 32 or 64. The
 softmax reduces over axis 0 (tokens). A block is one or more whole pages
 (page_size <= T, one TMA copy per page) or a slice of a page (page_size > T).
-The kernel writes each split's normalised O for the G real query heads ([G, D],
-the output's row layout) and its base-2 log-sum-exp; the wrapper merges splits
-in one XLA reduction (log-sum-exp weights, `_merge_splits`) and applies v_scale. `plan` picks block size, pipeline depth and splits (small
+The kernel writes per-split normalised O^T and the base-2 log-sum-exp; the
+wrapper combines splits (log-sum-exp weights), applies v_scale and transposes
+back to [B, Hq, D]. `plan` picks block size, pipeline depth and splits (small
 batch: context splits so that ~2 CTAs per SM are busy; large batch: one CTA per
 SM with 128-token blocks).
 
@@ -42,9 +42,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src.lib.mlir.dialects import arith, memref
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import interpret_kwargs, num_sms
@@ -220,54 +218,28 @@ def attend_prepared(qs, k_pages, v_pages, page_table, kv_lens, *, group, v_scale
       batch, num_kv_heads, page_table.shape[1], page_size, head_dim, k_pages.dtype, group_p,
       num_splits=num_splits, num_stages=num_stages, block_tokens=block_tokens)
   o_part, lse = _paged_call(
-      qs, k_pages, v_pages, page_table, kv_lens, group=group,
+      qs, k_pages, v_pages, page_table, kv_lens,
       num_splits=num_splits, num_stages=num_stages, block_tokens=block_tokens,
       interpret=interpret)
-  # o_part [B, Hkv, S, G, D] (normalised per split), lse [B, Hkv, S, Gp] (base 2).
+  # o_part [B, Hkv, S, D, Gp] (normalised per split), lse [B, Hkv, S, Gp] (base 2).
+  o_part = o_part[..., :group]
+  lse = lse[..., :group]
   if num_splits == 1:
-    o = o_part[:, :, 0]
+    o = o_part[:, :, 0]                                   # [B, Hkv, D, G]
   else:
-    lse = jnp.broadcast_to(lse[..., :group, None], o_part.shape)
-    _, o = lax.reduce((lse, o_part), (jnp.float32(-jnp.inf), jnp.float32(0.0)), _merge_splits, (2,))
+    lse_max = jnp.max(lse, axis=2, keepdims=True)
+    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+    w = jnp.exp2(lse - lse_max)                           # [B, Hkv, S, G]
+    denom = jnp.sum(w, axis=2)                            # [B, Hkv, G]
+    o = jnp.einsum("bhsg,bhsdg->bhdg", w, o_part,
+                   precision=lax.Precision.HIGHEST)
+    o = o / jnp.where(denom == 0.0, 1.0, denom)[:, :, None, :]
   o = o * jnp.asarray(v_scale, jnp.float32)
-  return o.reshape(batch, num_kv_heads * group, head_dim)
+  return jnp.swapaxes(o, -1, -2).reshape(batch, num_kv_heads * group, head_dim)
 
 
-def _merge_splits(a, b):
-  """Merges two (base-2 log-sum-exp, normalised output) pairs of disjoint context pieces into
-  the pair of their union: outputs weighted by 2^lse, the lse of the summed weights. An empty
-  piece is (-inf, 0) (the identity); two empty pieces merge to an empty one. Associative, so
-  XLA reduces the splits in one fused kernel."""
-  (la, oa), (lb, ob) = a, b
-  m = jnp.maximum(la, lb)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  wa, wb = jnp.exp2(la - m), jnp.exp2(lb - m)
-  total = wa + wb
-  safe = jnp.where(total == 0.0, 1.0, total)
-  return m + jnp.log2(total), (oa * wa + ob * wb) / safe
-
-
-def _store_transposed(o_t, o_ref, *, interpret):
-  """o_ref [G, D] (HBM) <- the first G columns of o_t [D, Gp] (WGMMA layout), transposed so
-  that the split merge reads whole rows of the output layout [B, Hq, D]."""
-  group = o_ref.shape[0]
-  if interpret:
-    o_ref[...] = o_t[:, :group].T
-    return
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
-  def store(_, o_in, ref):
-    def put(value, idx):
-      d, g = idx
-      with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, g, mgpu_utils.c(group, g.type))):
-        memref.store(value, ref, [g, d])
-    o_in.foreach(put)
-
-  store(o_t, o_ref)
-
-
-@functools.partial(jax.jit, static_argnames=("group", "num_splits", "num_stages", "block_tokens", "interpret"))
-def _paged_call(qs, k_pages, v_pages, page_table, kv_lens, *, group, num_splits,
+@functools.partial(jax.jit, static_argnames=("num_splits", "num_stages", "block_tokens", "interpret"))
+def _paged_call(qs, k_pages, v_pages, page_table, kv_lens, *, num_splits,
                 num_stages, block_tokens, interpret):
   batch, num_kv_heads, group_p, head_dim = qs.shape
   _, page_size, _, _ = k_pages.shape
@@ -397,8 +369,7 @@ def _paged_call(qs, k_pages, v_pages, page_table, kv_lens, *, group, num_splits,
     acc, m_i, l_i, _ = lax.fori_loop(0, n, step, (acc0, m0, l0, page_ids(j0 + ns)))
 
     l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
-    _store_transposed(acc / lax.broadcast_in_dim(l_safe, acc.shape, [1]), o_ref.at[b, h, s],
-                      interpret=interpret)
+    o_ref[b, h, s] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])
     lse_ref[b, h, s] = m_i + jnp.log(l_i) * LOG2E
 
   bf16 = jnp.bfloat16
@@ -417,7 +388,7 @@ def _paged_call(qs, k_pages, v_pages, page_table, kv_lens, *, group, num_splits,
       v_bar=plgpu.Barrier(num_arrivals=cpb, num_barriers=ns),
   )
   out_type = (
-      jax.ShapeDtypeStruct((batch, num_kv_heads, nsplit, group, head_dim), jnp.float32),
+      jax.ShapeDtypeStruct((batch, num_kv_heads, nsplit, head_dim, group_p), jnp.float32),
       jax.ShapeDtypeStruct((batch, num_kv_heads, nsplit, group_p), jnp.float32),
   )
   call = plgpu.kernel(
