@@ -21,9 +21,11 @@ into fp32 products itself:
   twin does (`Format.bf16_weights`);
 * at an item's last tile the 128 threads' row sums are added by a butterfly that halves the
   rows at each step (16 shuffles a thread) and one exchange through shared memory, multiplied
-  by `factor * w_scale_2` and written in the output dtype;
+  by `factor * w_scale_2` (one per member of a fused projection) and written in the output
+  dtype;
 * a decoder layer's neighbours can run inside (`fusable`): the RMSNorm of x before the
-  product (every CTA normalises its staged copy) and a bf16 residual added to the output.
+  product (every CTA normalises its staged copy), a bf16 residual added to the output, or the
+  SwiGLU of a fused [gate; up] projection (a CTA takes a gate item, then its up item).
 """
 
 from __future__ import annotations
