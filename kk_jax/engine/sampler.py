@@ -72,18 +72,31 @@ def sample(logits: jax.Array, sa: SamplingArrays, token_index: jax.Array):
     """
     logits = logits.astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    temp = jnp.where(sa.temperature > 0, sa.temperature, 1.0)
-    scaled = logits / temp[:, None]
-    needs_filter = jnp.any((sa.temperature > 0) & ((sa.top_k > 0) | (sa.top_p < 1.0) | (sa.min_p > 0.0)))
-    scaled = jax.lax.cond(needs_filter, _filter, lambda x, _: x, scaled, sa)
 
-    def draw(row_logits, seed, idx):
-        key = jax.random.fold_in(jax.random.key(seed), idx)
-        return jax.random.categorical(key, row_logits).astype(jnp.int32)
+    def greedy(logits, sa, token_index):
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    drawn = jax.vmap(draw)(scaled, sa.seed, token_index)
-    tokens = jnp.where(sa.temperature > 0, drawn, greedy)
+    def sampled(filtered: bool):
+        def draw_rows(logits, sa, token_index):
+            temp = jnp.where(sa.temperature > 0, sa.temperature, 1.0)
+            scaled = logits / temp[:, None]
+            if filtered:
+                scaled = _filter(scaled, sa)
+
+            def draw(row_logits, seed, idx):
+                key = jax.random.fold_in(jax.random.key(seed), idx)
+                return jax.random.categorical(key, row_logits).astype(jnp.int32)
+
+            drawn = jax.vmap(draw)(scaled, sa.seed, token_index)
+            return jnp.where(sa.temperature > 0, drawn, greedy(logits, sa, token_index))
+        return draw_rows
+
+    # one branch per step, chosen on the device: every row greedy (no scaling, no noise),
+    # sampling, or sampling with top-k / top-p / min-p (a full sort)
+    hot = sa.temperature > 0
+    needs_filter = jnp.any(hot & ((sa.top_k > 0) | (sa.top_p < 1.0) | (sa.min_p > 0.0)))
+    mode = jnp.where(jnp.any(hot), jnp.where(needs_filter, 2, 1), 0)
+    tokens = jax.lax.switch(mode, [greedy, sampled(False), sampled(True)], logits, sa, token_index)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     n_top = min(MAX_LOGPROBS, logits.shape[-1])
 
