@@ -71,7 +71,6 @@ def sample(logits: jax.Array, sa: SamplingArrays, token_index: jax.Array):
     (H200 trace of the Qwen3-8B decode benchmark), a tenth of the step.
     """
     logits = logits.astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
 
     def greedy(logits, sa, token_index):
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -97,15 +96,19 @@ def sample(logits: jax.Array, sa: SamplingArrays, token_index: jax.Array):
     needs_filter = jnp.any(hot & ((sa.top_k > 0) | (sa.top_p < 1.0) | (sa.min_p > 0.0)))
     mode = jnp.where(jnp.any(hot), jnp.where(needs_filter, 2, 1), 0)
     tokens = jax.lax.switch(mode, [greedy, sampled(False), sampled(True)], logits, sa, token_index)
-    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    # the chosen token's log-softmax, as jax.nn.log_softmax computes it, without writing [B, V]
+    peak = jnp.max(logits, axis=-1)
+    log_total = jnp.log(jnp.sum(jnp.exp(logits - peak[:, None]), axis=-1))
+    chosen = (jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - peak) - log_total
     n_top = min(MAX_LOGPROBS, logits.shape[-1])
 
-    def top(lp):
-        vals, ids = jax.lax.top_k(lp, n_top)
+    def top(logits):
+        vals, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), n_top)
         return ids.astype(jnp.int32), vals
 
-    def none(lp):
-        return jnp.zeros(lp.shape[:-1] + (n_top,), jnp.int32), jnp.zeros(lp.shape[:-1] + (n_top,), lp.dtype)
+    def none(logits):
+        return (jnp.zeros(logits.shape[:-1] + (n_top,), jnp.int32),
+                jnp.zeros(logits.shape[:-1] + (n_top,), logits.dtype))
 
-    top_ids, top_lp = jax.lax.cond(jnp.any(sa.top_logprobs > 0), top, none, logp)
+    top_ids, top_lp = jax.lax.cond(jnp.any(sa.top_logprobs > 0), top, none, logits)
     return tokens, chosen, top_ids, top_lp
