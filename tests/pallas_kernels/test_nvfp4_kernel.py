@@ -115,6 +115,9 @@ def test_gemv_member_scales_and_swiglu(interpret):
     got = run(x, wq, ws, s2, segments=(384, 128))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.concatenate(parts, axis=1)))
     halves = [run(x, wq[r], ws[:, r], s2[i]) for i, r in enumerate((slice(0, 256), slice(256, 512)))]
+    for bad in (dict(segments=(384, 120)), dict(segments=(256, 128, 128))):    # not 16-row members; 3 != 2 scales
+        with pytest.raises(ValueError, match="segments"):
+            run(x, wq, ws, s2, **bad)
     glu = run(x, wq, ws, s2, glu=True)
     same = np.asarray(glu) == np.asarray(row_gemv.silu_times(*halves))
     assert same.all() if interpret else same.mean() > 0.99          # ex2.approx on the GPU
