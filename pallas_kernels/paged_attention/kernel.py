@@ -251,11 +251,13 @@ def attend_prepared(qs, k_pages, v_pages, page_table, kv_lens, *, group, v_scale
 
 
 def _fence():
-  """fence.acq_rel.gpu by every thread: the partials a CTA wrote are visible to the cluster's
-  merging CTA before its arrival, and that CTA reads them only after its wait."""
+  """fence.acq_rel.gpu by every thread, then a warpgroup barrier: the partials all threads of a
+  CTA wrote are visible GPU-wide before any of them arrives on the cluster barrier, and the
+  merging CTA reads them only after its wait."""
   @plgpu.inline_mgpu()
   def fence(_):
     llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.acq_rel.gpu;", "", has_side_effects=True)
+    mgpu_utils.warpgroup_barrier()
 
   fence()
 
