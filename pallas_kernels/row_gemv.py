@@ -386,7 +386,7 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
             or s2.shape[0] not in (1, len(segments))):
         raise ValueError(f"{fmt.name}: segments {segments} must be multiples of {ROWS} rows summing to N={n} "
                          f"(two halves with glu), with one w_scale_2 each or one for all; got {s2.shape[0]}")
-    s2 = jnp.broadcast_to(s2, (len(segments),))
+    shared = s2.shape[0] == 1                     # one global scale for every row
     starts = np.cumsum((0,) + segments)
     extras = (([norm_weight.astype(jnp.bfloat16).reshape(k // _X_ROW, _X_ROW)] if normed else [])
               + ([residual.astype(jnp.bfloat16).reshape(n // _X_ROW, _X_ROW)] if res else []))
@@ -470,7 +470,9 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
                 def _():
                     _item_sums(fmt, acc, red_smem, s2_ref, g_smem, None, interpret=interpret)
 
-                pl.when(last & up)(lambda: store(1))
+                pl.when(last & up)(lambda: store(0 if shared else 1))
+            elif shared:
+                pl.when(last)(lambda: store(0))
             else:
                 for member in range(len(segments)):      # the item's member picks its global scale
                     in_member = (first >= int(starts[member])) & (first < int(starts[member + 1]))

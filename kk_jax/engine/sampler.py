@@ -71,28 +71,44 @@ def sample(logits: jax.Array, sa: SamplingArrays, token_index: jax.Array):
     (H200 trace of the Qwen3-8B decode benchmark), a tenth of the step.
     """
     logits = logits.astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    temp = jnp.where(sa.temperature > 0, sa.temperature, 1.0)
-    scaled = logits / temp[:, None]
-    needs_filter = jnp.any((sa.temperature > 0) & ((sa.top_k > 0) | (sa.top_p < 1.0) | (sa.min_p > 0.0)))
-    scaled = jax.lax.cond(needs_filter, _filter, lambda x, _: x, scaled, sa)
 
-    def draw(row_logits, seed, idx):
-        key = jax.random.fold_in(jax.random.key(seed), idx)
-        return jax.random.categorical(key, row_logits).astype(jnp.int32)
+    def greedy(logits, sa, token_index):
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    drawn = jax.vmap(draw)(scaled, sa.seed, token_index)
-    tokens = jnp.where(sa.temperature > 0, drawn, greedy)
-    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    def sampled(filtered: bool):
+        def draw_rows(logits, sa, token_index):
+            temp = jnp.where(sa.temperature > 0, sa.temperature, 1.0)
+            scaled = logits / temp[:, None]
+            if filtered:
+                scaled = _filter(scaled, sa)
+
+            def draw(row_logits, seed, idx):
+                key = jax.random.fold_in(jax.random.key(seed), idx)
+                return jax.random.categorical(key, row_logits).astype(jnp.int32)
+
+            drawn = jax.vmap(draw)(scaled, sa.seed, token_index)
+            return jnp.where(sa.temperature > 0, drawn, greedy(logits, sa, token_index))
+        return draw_rows
+
+    # one branch per step, chosen on the device: every row greedy (no scaling, no noise),
+    # sampling, or sampling with top-k / top-p / min-p (a full sort)
+    hot = sa.temperature > 0
+    needs_filter = jnp.any(hot & ((sa.top_k > 0) | (sa.top_p < 1.0) | (sa.min_p > 0.0)))
+    mode = jnp.where(jnp.any(hot), jnp.where(needs_filter, 2, 1), 0)
+    tokens = jax.lax.switch(mode, [greedy, sampled(False), sampled(True)], logits, sa, token_index)
+    # the chosen token's log-softmax, as jax.nn.log_softmax computes it, without writing [B, V]
+    peak = jnp.max(logits, axis=-1)
+    log_total = jnp.log(jnp.sum(jnp.exp(logits - peak[:, None]), axis=-1))
+    chosen = (jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - peak) - log_total
     n_top = min(MAX_LOGPROBS, logits.shape[-1])
 
-    def top(lp):
-        vals, ids = jax.lax.top_k(lp, n_top)
+    def top(logits):
+        vals, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), n_top)
         return ids.astype(jnp.int32), vals
 
-    def none(lp):
-        return jnp.zeros(lp.shape[:-1] + (n_top,), jnp.int32), jnp.zeros(lp.shape[:-1] + (n_top,), lp.dtype)
+    def none(logits):
+        return (jnp.zeros(logits.shape[:-1] + (n_top,), jnp.int32),
+                jnp.zeros(logits.shape[:-1] + (n_top,), logits.dtype))
 
-    top_ids, top_lp = jax.lax.cond(jnp.any(sa.top_logprobs > 0), top, none, logp)
+    top_ids, top_lp = jax.lax.cond(jnp.any(sa.top_logprobs > 0), top, none, logits)
     return tokens, chosen, top_ids, top_lp

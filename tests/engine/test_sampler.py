@@ -72,3 +72,26 @@ def test_huge_temperature_is_clamped_not_overflowed():
         warnings.simplefilter("error")                       # no overflow in the float32 cast
         sa = SamplingArrays.from_params([SamplingParams(temperature=1e300)], [0], 1)
     assert float(sa.temperature[0]) == F32_MAX
+
+
+def test_greedy_rows_next_to_sampled_rows_stay_greedy_and_rows_stay_independent():
+    """A batch mixing greedy and sampled rows (with and without top-k) takes the sampling
+    branches; greedy rows still pick the argmax, and a sampled row draws what it draws alone."""
+    n = 64
+    logits = jnp.repeat(LOGITS[:, ::-1], n, 0)                        # argmax is token 3
+    idx = jnp.arange(n, dtype=jnp.int32)
+    fn = jax.jit(lambda lg, sa, i: sample(lg, sa, i)[0])
+    for hot in (SamplingParams(temperature=1.0, seed=9), SamplingParams(temperature=1.0, top_k=3, seed=9)):
+        alone = np.asarray(fn(logits, SamplingArrays.from_params([hot] * n, [9] * n, n), idx))
+        params = [hot if i % 2 else SamplingParams(temperature=0.0) for i in range(n)]
+        mixed = np.asarray(fn(logits, SamplingArrays.from_params(params, [9] * n, n), idx))
+        assert (mixed[0::2] == 3).all() and (mixed[1::2] == alone[1::2]).all()
+        assert len(set(alone)) > 1 and (hot.top_k <= 0 or 0 not in set(alone))   # top-3 drops token 0
+
+
+def test_chosen_logprob_is_log_softmax_of_the_chosen_token():
+    logits = jax.random.normal(jax.random.key(0), (5, 1000), jnp.float32) * 4
+    sa = SamplingArrays.from_params([SamplingParams(temperature=1.0, seed=2)] * 5, [2] * 5, 5)
+    tok, lp, _, _ = jax.jit(sample)(logits, sa, jnp.arange(5, dtype=jnp.int32))
+    want = jnp.take_along_axis(jax.jit(jax.nn.log_softmax)(logits), tok[:, None], axis=-1)[:, 0]
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(want), rtol=1e-6, atol=1e-6)

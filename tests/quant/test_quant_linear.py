@@ -415,6 +415,48 @@ def test_one_row_fuses_swiglu_into_the_gate_up_gemv(method, monkeypatch):
     assert len(calls) == 1
 
 
+def test_swiglu_gemv_runs_per_shard_on_the_interleaved_gate_up(monkeypatch):
+    """tp = 2, MXFP8 [gate; up] held per shard as [gate_0; up_0; gate_1; up_1]: each shard's GEMV
+    takes its own gate and up rows and returns its half of silu(gate) * up, which concatenates
+    to the whole. The per-shard GEMV is a jnp twin here (the Mosaic GPU interpreter is not safe
+    on two CPU devices at once)."""
+    import types
+
+    import kk_jax.models.layers.linear as linear_mod
+    from kk_jax.models.layers.norm import RMSNorm, rms_norm
+    from pallas_kernels import mxfp8 as mxfp8_kernels
+    from pallas_kernels.row_gemv import silu_times
+
+    seen = []
+
+    def twin(x, w, s, *, out_dtype, interpret, norm_weight, eps, glu):
+        seen.append((w.shape, glu))
+        y = mxfp8_kernels.matmul(rms_norm(x, norm_weight, eps), w, s, backend="xla", out_dtype=out_dtype)
+        return silu_times(y[:, :y.shape[1] // 2], y[:, y.shape[1] // 2:])
+
+    monkeypatch.setattr(linear_mod, "_gemv_module", lambda method: types.SimpleNamespace(
+        supported=lambda m, n, k: True, gemv=twin))
+    mesh, n, k = make_mesh(2), 256, 1024
+    rng = np.random.default_rng(10)
+    ws = [rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k) for _ in range(2)]
+    lin = FusedLinear(k, [("gate_proj", n), ("up_proj", n)], jnp.bfloat16, axes=("mlp", "embed"))
+    lin.quantize_("mxfp8", backend="pallas", mesh=mesh)
+    for i, sfx in enumerate(SUFFIXES["mxfp8"]):
+        halves = [np.split(np.asarray(mxfp8.quantize(w)[i]), 2) for w in ws]     # [member][shard]
+        value = np.concatenate([halves[m][sh] for sh in range(2) for m in range(2)])
+        param = getattr(lin, sfx)
+        param.value = jax.device_put(jnp.asarray(value.T if sfx == "weight_scale" else value),
+                                     NamedSharding(mesh, spec(param.get_metadata()["axes"])))
+    norm = RMSNorm(k, 1e-6, jnp.bfloat16)
+    norm.weight.value = jnp.asarray(1 + rng.standard_normal(k) / 10, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)
+    got = jax.jit(lambda x: lin.swiglu(x, norm=norm))(x)
+    assert seen and seen[0] == ((n, k), True)                          # a shard: n / 2 gate + n / 2 up rows
+    lin.backend = "xla"
+    gate, up = lin.split(lin(norm(x)))
+    assert got.shape == (1, n) and rel_err(got, silu_times(gate, up)) < 4e-3
+
+
 def test_fused_nvfp4_members_keep_their_global_scales_in_the_gemv(monkeypatch):
     """q / k / v-like NVFP4 members with different global scales, fused: at one decode row the
     GEMV applies each member's scale to its rows (and the norm) and rounds once, as the
