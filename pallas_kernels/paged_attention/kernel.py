@@ -42,7 +42,10 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm, memref
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import interpret_kwargs, num_sms
@@ -55,6 +58,9 @@ SUPPORTED_PAGE_SIZES = (8, 16, 32, 64, 128, 256)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_POOL_DTYPES = (jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn)
 MAX_GROUP = 64
+# A sequence's context splits run as one thread-block cluster (at most 8 CTAs, the portable
+# cluster size) and merge inside the kernel.
+MAX_CLUSTER = 8
 # Shared memory per CTA: the "small batch" plan keeps two CTAs per SM (228 KiB
 # per SM, 1 KiB reserved per CTA); the "large batch" plan one CTA per SM
 # (227 KiB max per CTA, less Mosaic's own scratch and barriers).
@@ -166,7 +172,7 @@ def plan(batch, num_kv_heads, max_pages, page_size, head_dim, pool_dtype,
       num_splits = 1
     else:
       max_blocks = max(1, -(-(max_pages * page_size) // tb))
-      num_splits = max(1, min((2 * sms) // (batch * num_kv_heads), max_blocks))
+      num_splits = max(1, min((2 * sms) // (batch * num_kv_heads), max_blocks, MAX_CLUSTER))
   if _smem_bytes(tb, num_stages, head_dim, pool_dtype, group_p) > _SMEM_ONE_PER_SM:
     raise ValueError(
         f"block_tokens={tb} x num_stages={num_stages} needs more shared memory than"
@@ -201,14 +207,14 @@ def paged_decode_attention_kernel(
   qs = qs.reshape(batch, num_kv_heads, group, head_dim)
   qs = jnp.pad(qs, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
   qs = qs.astype(jnp.bfloat16)
-  o = attend_prepared(qs, k_pages, v_pages, page_table, kv_lens, group=group, v_scale=v_scale,
-                      interpret=interpret, num_splits=num_splits, num_stages=num_stages,
-                      block_tokens=block_tokens)
-  return o.astype(q.dtype)
+  return attend_prepared(qs, k_pages, v_pages, page_table, kv_lens, group=group, v_scale=v_scale,
+                         interpret=interpret, num_splits=num_splits, num_stages=num_stages,
+                         block_tokens=block_tokens, out_dtype=q.dtype)
 
 
 def attend_prepared(qs, k_pages, v_pages, page_table, kv_lens, *, group, v_scale=1.0,
-                    interpret=False, num_splits=None, num_stages=None, block_tokens=None):
+                    interpret=False, num_splits=None, num_stages=None, block_tokens=None,
+                    out_dtype=jnp.float32):
   """The kernel on a prepared query operand: qs [B, Hkv, group_p, D] bf16, q * scale * k_scale
   grouped by kv head, rows past `group` zero (as `paged_decode_attention_kernel` builds it, or
   `prologue.decode_prologue`) -> o [B, Hq, D] f32."""
@@ -217,30 +223,84 @@ def attend_prepared(qs, k_pages, v_pages, page_table, kv_lens, *, group, v_scale
   block_tokens, num_stages, num_splits = plan(
       batch, num_kv_heads, page_table.shape[1], page_size, head_dim, k_pages.dtype, group_p,
       num_splits=num_splits, num_stages=num_stages, block_tokens=block_tokens)
-  o_part, lse = _paged_call(
-      qs, k_pages, v_pages, page_table, kv_lens,
-      num_splits=num_splits, num_stages=num_stages, block_tokens=block_tokens,
-      interpret=interpret)
-  # o_part [B, Hkv, S, D, Gp] (normalised per split), lse [B, Hkv, S, Gp] (base 2).
-  o_part = o_part[..., :group]
-  lse = lse[..., :group]
-  if num_splits == 1:
-    o = o_part[:, :, 0]                                   # [B, Hkv, D, G]
+  merge = 1 < num_splits <= MAX_CLUSTER and not interpret
+  o_part, lse, merged = _paged_call(
+      qs, k_pages, v_pages, page_table, kv_lens, group=group,
+      num_splits=num_splits, num_stages=num_stages, block_tokens=block_tokens, merge=merge,
+      out_dtype=jnp.dtype(out_dtype), interpret=interpret)
+  if merge:
+    o = merged                                             # [B, Hq, D], splits merged in-kernel
   else:
-    lse_max = jnp.max(lse, axis=2, keepdims=True)
-    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
-    w = jnp.exp2(lse - lse_max)                           # [B, Hkv, S, G]
-    denom = jnp.sum(w, axis=2)                            # [B, Hkv, G]
-    o = jnp.einsum("bhsg,bhsdg->bhdg", w, o_part,
-                   precision=lax.Precision.HIGHEST)
-    o = o / jnp.where(denom == 0.0, 1.0, denom)[:, :, None, :]
-  o = o * jnp.asarray(v_scale, jnp.float32)
-  return jnp.swapaxes(o, -1, -2).reshape(batch, num_kv_heads * group, head_dim)
+    # o_part [B, Hkv, S, D, Gp] (normalised per split), lse [B, Hkv, S, Gp] (base 2).
+    o_part = o_part[..., :group]
+    lse = lse[..., :group]
+    if num_splits == 1:
+      o = o_part[:, :, 0]                                   # [B, Hkv, D, G]
+    else:
+      lse_max = jnp.max(lse, axis=2, keepdims=True)
+      lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+      w = jnp.exp2(lse - lse_max)                           # [B, Hkv, S, G]
+      denom = jnp.sum(w, axis=2)                            # [B, Hkv, G]
+      o = jnp.einsum("bhsg,bhsdg->bhdg", w, o_part,
+                     precision=lax.Precision.HIGHEST)
+      o = o / jnp.where(denom == 0.0, 1.0, denom)[:, :, None, :]
+    o = jnp.swapaxes(o, -1, -2).reshape(batch, num_kv_heads * group, head_dim)
+  if not (isinstance(v_scale, float) and v_scale == 1.0):
+    o = o * jnp.asarray(v_scale, jnp.float32)
+  return o.astype(out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("num_splits", "num_stages", "block_tokens", "interpret"))
-def _paged_call(qs, k_pages, v_pages, page_table, kv_lens, *, num_splits,
-                num_stages, block_tokens, interpret):
+def _fence():
+  """fence.acq_rel.gpu by every thread, then a warpgroup barrier: the partials all threads of a
+  CTA wrote are visible GPU-wide before any of them arrives on the cluster barrier, and the
+  merging CTA reads them only after its wait."""
+  @plgpu.inline_mgpu()
+  def fence(_):
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.acq_rel.gpu;", "", has_side_effects=True)
+    mgpu_utils.warpgroup_barrier()
+
+  fence()
+
+
+def _merge_splits(o_ref, lse_ref, out_ref):
+  """out_ref [G, D] (HBM) <- the log-sum-exp merge of a sequence's splits for one kv head:
+  o_ref [S, D, Gp] f32 normalised per split, lse_ref [S, Gp] f32 (base 2; -inf for an empty
+  split). Thread d owns column d of every query head; a head whose splits are all empty gets 0."""
+  nsplit, head_dim, _ = o_ref.shape
+  group = out_ref.shape[0]
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)
+  def merge(_, o_gmem, lse_gmem, out_gmem):
+    f32, i32, index = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IndexType.get()
+    ci = lambda v: mgpu_utils.c(v, index)
+    d = arith.index_cast(index, mgpu_utils.thread_idx())
+    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, mgpu_utils.thread_idx(),
+                                    mgpu_utils.c(head_dim, i32))):
+      for g in range(group):
+        lses = [memref.load(lse_gmem, [ci(s), ci(g)]) for s in range(nsplit)]
+        m = lses[0]
+        for v in lses[1:]:
+          m = arith.maximumf(m, v)
+        finite = arith.cmpf(arith.CmpFPredicate.OLT, m, mgpu_utils.c(float("inf"), f32))
+        finite = arith.andi(finite, arith.cmpf(arith.CmpFPredicate.OGT, m, mgpu_utils.c(float("-inf"), f32)))
+        m = arith.select(finite, m, mgpu_utils.c(0.0, f32))
+        num, den = mgpu_utils.c(0.0, f32), mgpu_utils.c(0.0, f32)
+        for s, v in enumerate(lses):
+          w = llvm.inline_asm(f32, [arith.subf(v, m)], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+          num = arith.addf(num, arith.mulf(w, memref.load(o_gmem, [ci(s), d, ci(g)])))
+          den = arith.addf(den, w)
+        zero = arith.cmpf(arith.CmpFPredicate.OEQ, den, mgpu_utils.c(0.0, f32))
+        o = arith.divf(num, arith.select(zero, mgpu_utils.c(1.0, f32), den))
+        out_ty = ir.MemRefType(out_gmem.type).element_type
+        memref.store(o if out_ty == f32 else arith.truncf(out_ty, o), out_gmem, [ci(g), d])
+
+  merge(o_ref, lse_ref, out_ref)
+
+
+@functools.partial(jax.jit, static_argnames=("group", "num_splits", "num_stages", "block_tokens", "merge",
+                                             "out_dtype", "interpret"))
+def _paged_call(qs, k_pages, v_pages, page_table, kv_lens, *, group, num_splits,
+                num_stages, block_tokens, merge, out_dtype, interpret):
   batch, num_kv_heads, group_p, head_dim = qs.shape
   _, page_size, _, _ = k_pages.shape
   max_pages = page_table.shape[1]
@@ -252,9 +312,9 @@ def _paged_call(qs, k_pages, v_pages, page_table, kv_lens, *, num_splits,
   ns = num_stages
   nsplit = num_splits
 
-  def paged_decode_attention(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, lse_ref,
+  def paged_decode_attention(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, lse_ref, out_ref,
                              q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem,
-                             q_bar, k_bar, v_bar):
+                             q_bar, k_bar, v_bar, merge_bar):
     h = lax.axis_index("head")
     s = lax.axis_index("split")
     b = lax.axis_index("batch")
@@ -371,6 +431,15 @@ def _paged_call(qs, k_pages, v_pages, page_table, kv_lens, *, num_splits,
     l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
     o_ref[b, h, s] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])
     lse_ref[b, h, s] = m_i + jnp.log(l_i) * LOG2E
+    if merge:
+      _fence()
+      plgpu.barrier_arrive(merge_bar.at[0])
+      plgpu.barrier_wait(merge_bar.at[0])
+
+      @pl.when(s == 0)
+      def _():
+        _fence()
+        _merge_splits(o_ref.at[b, h], lse_ref.at[b, h], out_ref.at[b, pl.ds(h * group, group)])
 
   bf16 = jnp.bfloat16
   conv_shape = (tb, head_dim) if convert else (8, 64)
@@ -386,17 +455,22 @@ def _paged_call(qs, k_pages, v_pages, page_table, kv_lens, *, num_splits,
       q_bar=plgpu.Barrier(num_barriers=1),
       k_bar=plgpu.Barrier(num_arrivals=cpb, num_barriers=ns),
       v_bar=plgpu.Barrier(num_arrivals=cpb, num_barriers=ns),
+      merge_bar=(plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=1, num_barriers=1) if merge
+                 else plgpu.Barrier(num_barriers=1)),
   )
   out_type = (
       jax.ShapeDtypeStruct((batch, num_kv_heads, nsplit, head_dim, group_p), jnp.float32),
       jax.ShapeDtypeStruct((batch, num_kv_heads, nsplit, group_p), jnp.float32),
+      jax.ShapeDtypeStruct((batch, num_kv_heads * group, head_dim) if merge else (1, 1, 1), out_dtype),
   )
+  layout = (dict(grid=(num_kv_heads, batch), grid_names=("head", "batch"), cluster=(nsplit,),
+                 cluster_names=("split",)) if merge
+            else dict(grid=(num_kv_heads, nsplit, batch), grid_names=("head", "split", "batch")))
   call = plgpu.kernel(
       paged_decode_attention,
       out_type=out_type,
       scratch_types=scratch,
-      grid=(num_kv_heads, nsplit, batch),
-      grid_names=("head", "split", "batch"),
+      **layout,
       compiler_params=plgpu.CompilerParams(
           approx_math=True, reduction_scratch_bytes=_REDUCTION_SCRATCH),
       **interpret_kwargs(interpret),

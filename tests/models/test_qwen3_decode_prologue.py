@@ -56,10 +56,10 @@ def test_fused_prologue_decode_runs_per_shard(monkeypatch):
         seen.append((qkv.shape, args[-2].shape))
         return prologue.decode_prologue_reference(qkv, *args, **kw)
 
-    def attend_twin(qs, kp, vp, page_table, kv_lens, *, group, interpret):
+    def attend_twin(qs, kp, vp, page_table, kv_lens, *, group, interpret, out_dtype):
         b, hkv, _, d = qs.shape
         q = qs[:, :, :group].reshape(b, hkv * group, d).astype(jnp.float32)
-        return paged_decode_attention_reference(q, kp, vp, page_table, kv_lens, scale=1.0)
+        return paged_decode_attention_reference(q, kp, vp, page_table, kv_lens, scale=1.0).astype(out_dtype)
 
     monkeypatch.setattr(paged_mod.prologue, "decode_prologue", prologue_twin)
     monkeypatch.setattr(paged_mod, "attend_prepared", attend_twin)

@@ -170,7 +170,8 @@ def test_errors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("pool_dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32])
 @pytest.mark.parametrize("page_size,lens", [(64, [0, 1, 64, 1000, 4096, 77]),
-                                            (16, [5, 300, 0, 16])])
+                                            (16, [5, 300, 0, 16]),
+                                            (64, [1000]), (64, [3, 2000])])   # 8 splits: a full cluster
 def test_kernel_compiled_matches_reference(pool_dtype, page_size, lens):
   maxp = max(-(-n // page_size) for n in lens) + 2
   args = make_inputs(batch=len(lens), num_q_heads=32, num_kv_heads=8, head_dim=128,

@@ -160,8 +160,9 @@ class PagedAttention:
             qs, k_pages, v_pages = prologue.decode_prologue(
                 qkv[:, 0], qw, kw, cos, sin, page, slot, k_pages, v_pages, num_q_heads=hq, num_kv_heads=hkv,
                 eps=eps, scale=scale, group_p=_padded_group(group), interpret=interpret)
-            o = attend_prepared(qs, k_pages, v_pages, page_table, kv_lens, group=group, interpret=interpret)
-            return o.reshape(o.shape[0], 1, hq, d).astype(qkv.dtype), k_pages, v_pages
+            o = attend_prepared(qs, k_pages, v_pages, page_table, kv_lens, group=group, interpret=interpret,
+                                out_dtype=qkv.dtype)
+            return o.reshape(o.shape[0], 1, hq, d), k_pages, v_pages
 
         heads, kv_heads = (None, None, "heads", None), (None, None, "kv_heads", None)
         fn = shard_heads(per_shard, self.mesh,
