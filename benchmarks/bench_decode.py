@@ -9,8 +9,9 @@ the jnp twin) run in the same process for a side-by-side number, and with
 ``--dense-decode-backends pallas xla`` the unquantized linears' batch-1 decode matmuls on the
 Pallas weight-streaming kernel and on XLA's GEMV. ``--quant fp8_block|mxfp8|nvfp4`` holds every
 linear layer but the lm_head quantized (random codes and scales, as a quantized checkpoint would
-load; ``--fp8-activations``: block FP8 as W8A8), and ``--prefill-tokens N`` also times the prefill
-of one N-token prompt in one chunk.
+load; ``--fp8-activations``: block FP8 as W8A8), ``--prefill-tokens N`` also times the prefill
+of one N-token prompt in one chunk, and ``--temperature T [--top-p P]`` makes the decode rows
+sample (the runner's general decode program; greedy rows run its branch-free one).
 
     python benchmarks/bench_decode.py --batch 1 8 64 --context 1024 --json out.json
     python benchmarks/bench_decode.py --quant mxfp8 --batch 1 --prefill-tokens 2048
@@ -66,7 +67,7 @@ def prefill_flops(cfg: Qwen3Config, tokens: int) -> int:
 
 
 def bench(cfg, backend, batches, context, steps, iters, page_size, tp, trace_dir=None, dense="auto", quant="bf16",
-          fp8_activations=False, prefill_tokens=0):
+          fp8_activations=False, prefill_tokens=0, sampling=None):
     max_b = max(batches)
     max_len = max(context, prefill_tokens) + steps * (iters + 2) + page_size
     pages_per_seq = math.ceil((context + steps * (iters + 2) + page_size) / page_size)     # decode rows
@@ -79,7 +80,10 @@ def bench(cfg, backend, batches, context, steps, iters, page_size, tp, trace_dir
         runner = ModelRunner(Qwen3ForCausalLM, cfg, ckpt, jnp.bfloat16, ecfg, make_mesh(tp), progress=False,
                              random_weights_seed=0)
     greedy = SamplingParams(max_tokens=steps, temperature=0.0)
-    label = quant + ("-w8a8" if fp8_activations else "")
+    decode_params = sampling or greedy
+    label = (quant + ("-w8a8" if fp8_activations else "")
+             + (f"-T{decode_params.temperature:g}" if decode_params.temperature else "")
+             + (f"-p{decode_params.top_p:g}" if decode_params.top_p < 1 else ""))
     rows_out = []
     if prefill_tokens:
         prompt = [(7 * i) % cfg.vocab_size for i in range(prefill_tokens)]
@@ -99,7 +103,7 @@ def bench(cfg, backend, batches, context, steps, iters, page_size, tp, trace_dir
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows_out[-1].items()}), flush=True)
     for b in batches:
         rows = [DecodeRow(token=1, position=context, pages=list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)),
-                          slot=0, budget=steps, stop_ids=[], params=greedy, seed=0, token_index=0) for i in range(b)]
+                          slot=0, budget=steps, stop_ids=[], params=decode_params, seed=0, token_index=0) for i in range(b)]
         t0 = time.perf_counter()
         runner.decode(rows)                                    # compile + first run
         compile_s = time.perf_counter() - t0
@@ -151,6 +155,9 @@ def main():
                     help="linear layers (all but the lm_head) quantized in this format")
     ap.add_argument("--fp8-activations", action="store_true", help="block FP8 as W8A8 (--quant fp8_block)")
     ap.add_argument("--prefill-tokens", type=int, default=0, help="also time one prompt of this many tokens")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="decode rows sample at this temperature (0: greedy, the runner's branch-free program)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="and with this top-p (a full sort per step)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.fp8_activations and args.quant != "fp8_block":
@@ -166,7 +173,9 @@ def main():
             first = backend == args.backends[0] and dense == args.dense_decode_backends[0]
             results += bench(cfg, backend, args.batch, args.context, args.steps, args.iters, args.page_size,
                              args.tp, trace_dir=args.trace if first else None, dense=dense, quant=args.quant,
-                             fp8_activations=args.fp8_activations, prefill_tokens=args.prefill_tokens)
+                             fp8_activations=args.fp8_activations, prefill_tokens=args.prefill_tokens,
+                             sampling=SamplingParams(max_tokens=args.steps, temperature=args.temperature,
+                                                     top_p=args.top_p))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

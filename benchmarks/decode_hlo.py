@@ -67,12 +67,14 @@ def h200_mesh(tp: int = 1) -> Mesh:
 
 
 def decode_program(layers: int, batch: int, tp: int = 1, steps: int = 8, context: int = 1024,
-                   page_size: int = 64, model: str = "qwen3", quant: str = "bf16") -> tuple[str, float, float]:
+                   page_size: int = 64, model: str = "qwen3", quant: str = "bf16",
+                   program: str = "decode_greedy") -> tuple[str, float, float]:
     """HLO text of the compiled decode loop of a ``layers``-layer Qwen3-8B-shaped model (or
     GLM-5.3-Flash-shaped, ``model="glm5"``: the real KDA / DSA and dense / MoE layer pattern),
     with the seconds spent lowering it and compiling it (host work: the same on any machine
     with this CPU, GPU or not). ``quant`` (Qwen3): every linear but the lm_head in that format,
-    as ``bench_decode.py --quant``."""
+    as ``bench_decode.py --quant``. ``program``: the runner's decode program for greedy batches
+    (what ``bench_decode.py`` runs) or for any sampling parameters (``"decode"``)."""
     if model == "glm5":
         from bench_glm5 import flash_config
 
@@ -89,18 +91,20 @@ def decode_program(layers: int, batch: int, tp: int = 1, steps: int = 8, context
         runner = ModelRunner(model_cls, cfg, ckpt, jnp.bfloat16, ecfg, h200_mesh(tp), progress=False,
                              compile_only=True)
     t0 = time.perf_counter()
-    lowered = runner._lower("decode", batch)
+    lowered = runner._lower(program, batch)
     t1 = time.perf_counter()
-    hlo = runner._compile("decode", batch, lowered=lowered).as_text()
+    hlo = runner._compile(program, batch, lowered=lowered).as_text()
     return hlo, t1 - t0, time.perf_counter() - t1
 
 
 def loop_body_launches(hlo: str) -> list[tuple[str, str]]:
-    """(instruction name, kind) of every kernel-launching instruction in the while loop's body."""
-    body = re.search(r"while\(.*?body=(%[\w.\-]+)", hlo).group(1)
-    start = hlo.index("\n" + body + " ") + 1
-    lines = hlo[start:hlo.index("\n}\n", start)].splitlines()
-    return [(m.group(1), m.group(2)) for m in map(LAUNCH.match, lines) if m]
+    """(instruction name, kind) of every kernel-launching instruction of one decode step: the
+    body of the while loop that launches the most (the step loop inside the early-exit loop)."""
+    def launches(body):
+        start = hlo.index("\n" + body + " ") + 1
+        lines = hlo[start:hlo.index("\n}\n", start)].splitlines()
+        return [(m.group(1), m.group(2)) for m in map(LAUNCH.match, lines) if m]
+    return max((launches(body) for body in re.findall(r"while\(.*?body=(%[\w.\-]+)", hlo)), key=len)
 
 
 def main():
@@ -111,11 +115,14 @@ def main():
     ap.add_argument("--model", choices=("qwen3", "glm5"), default="qwen3")
     ap.add_argument("--quant", default="bf16", choices=("bf16", *BLOCKS),
                     help="Qwen3's linear layers (all but the lm_head) quantized in this format")
+    ap.add_argument("--program", choices=("decode_greedy", "decode"), default="decode_greedy",
+                    help="the decode program for greedy batches, or for any sampling parameters")
     ap.add_argument("--hlo", default=None, help="also write the compiled program's HLO text here")
     args = ap.parse_args()
     if args.quant != "bf16" and args.model != "qwen3":
         ap.error("--quant applies to --model qwen3")
-    hlo, lower_s, compile_s = decode_program(args.layers, args.batch, args.tp, model=args.model, quant=args.quant)
+    hlo, lower_s, compile_s = decode_program(args.layers, args.batch, args.tp, model=args.model, quant=args.quant,
+                                              program=args.program)
     if args.hlo:
         with open(args.hlo, "w") as f:
             f.write(hlo)

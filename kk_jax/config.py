@@ -228,7 +228,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"          # auto (= model dtype) | bfloat16 | fp8
     tp: int = 1
-    decode_steps: int = 8                 # decode steps per device call (lax.while_loop)
+    decode_steps: int = 8                 # decode steps per device call (one loop on the device)
     kernel_backend: str = "auto"          # auto (pallas on GPU, xla elsewhere) | pallas | xla
     kda_backend: str = "auto"             # KDA layers only: auto (= kernel_backend) | pallas | xla
     dense_decode_backend: str = "auto"   # unquantized linears at batch-1 decode: auto (pallas with the Pallas kernels on a GPU) | pallas | xla

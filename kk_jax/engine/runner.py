@@ -5,8 +5,9 @@ compiled steps (DESIGN rules 2-4):
 
 * ``prefill``: ``[B, T]`` chunk tokens per step for (B, T) in a fixed bucket set, samples the
   next token at each row's last chunk position.
-* ``decode``: ``decode_steps`` steps of ``[B]`` tokens inside one ``lax.while_loop`` (model →
-  sample → append → stop check), with the pages for those steps reserved beforehand.
+* ``decode``: ``decode_steps`` steps of ``[B]`` tokens inside one loop (model → sample →
+  append → stop check), with the pages for those steps reserved beforehand; ``decode_greedy``
+  is the same loop for batches whose rows all take the argmax (no sampler branches).
 
 Both take ``(weights, pools, batch)``, return ``(pools, outputs)`` and donate ``pools``.
 Weights are flattened once at load into a leaf tuple; the NNX module is re-assembled inside
@@ -16,6 +17,7 @@ the trace, so no pytree walk of modules happens per call.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -36,7 +38,7 @@ from kk_jax.checkpoint.loader import (Stack, TensorSpec, abstract_params, expect
                                       tensor_spec)
 from kk_jax.config import ConfigError, EngineConfig
 from kk_jax.engine.request import MAX_LOGPROBS
-from kk_jax.engine.sampler import SamplingArrays, sample
+from kk_jax.engine.sampler import SamplingArrays, greedy_batch, sample
 from kk_jax.models.attention.paged import AttentionBatch
 from kk_jax.models.layers.linear import prepare_linears
 from kk_jax.models.layers.moe import prepare_experts
@@ -47,6 +49,12 @@ from kk_jax.quant.config import detect
 log = logging.getLogger(__name__)
 
 MAX_STOP_IDS = 16
+# Decode steps between the loop's early-exit tests. XLA tests a while loop's condition on the
+# host (a device->host copy and a wait, ~30-70 us on the H200), so a test every step cost ~2-7 %
+# of a batch-1 step (bench_decode, RESULTS.md part 24); a finished batch runs at most 3 extra
+# steps, masked.
+EXIT_CHECK_STEPS = 4
+DECODE_PROGRAMS = ("decode", "decode_greedy")
 WARMUP_THREADS = 8           # concurrent start-up compiles (each holds a program's compiler state)
 JAX_DEFAULT_MEM_FRACTION = 0.75     # share of a GPU JAX's allocator may use unless told otherwise
 
@@ -321,36 +329,45 @@ class ModelRunner:
         h_last = jnp.take_along_axis(h, last_idx[:, None, None], axis=1)[:, 0]       # [B, hidden]
         return pools, sample(model.logits(h_last), sa, token_index)
 
-    def _decode_fn(self, weights, pools, tokens, positions, page_table, slots, active, budget, stop_ids, sa,
+    def _decode_fn(self, greedy, weights, pools, tokens, positions, page_table, slots, active, budget, stop_ids, sa,
                    token_index):
+        """``decode_steps`` steps in chunks of ``EXIT_CHECK_STEPS``: each chunk is a loop of known
+        trip count, which XLA runs without consulting the host; between chunks the loop stops
+        once no row is active. ``greedy`` (static): the batch's rows all take the argmax."""
         model = self._model(weights)
         n_steps, b = self.cfg.decode_steps, tokens.shape[0]
+        per = min(EXIT_CHECK_STEPS, n_steps)
+        chunks = -(-n_steps // per)
         k = min(MAX_LOGPROBS, self.model_cfg.vocab_size)
-        outs = (jnp.zeros((n_steps, b), jnp.int32), jnp.zeros((n_steps, b), jnp.float32),
-                jnp.zeros((n_steps, b, k), jnp.int32), jnp.zeros((n_steps, b, k), jnp.float32))
+        outs = (jnp.zeros((chunks * per, b), jnp.int32), jnp.zeros((chunks * per, b), jnp.float32),
+                jnp.zeros((chunks * per, b, k), jnp.int32), jnp.zeros((chunks * per, b, k), jnp.float32))
 
-        def cond(c):
-            i, _, _, _, active, _, _, _ = c
-            return (i < n_steps) & jnp.any(active)
-
-        def body(c):
-            i, pools, tokens, positions, active, token_index, n_gen, outs = c
+        def step(i, c):
+            pools, tokens, positions, active, token_index, n_gen, outs = c
+            active = active & (i < n_steps)
             batch = AttentionBatch(positions[:, None], active[:, None], page_table,
                                    jnp.where(active, positions + 1, 0), slots)
             h, pools = model(tokens[:, None], batch, pools, self.ops)
-            nxt, lp, top_ids, top_lp = sample(model.logits(h[:, 0]), sa, token_index)
+            nxt, lp, top_ids, top_lp = sample(model.logits(h[:, 0]), sa, token_index, greedy=greedy)
             outs = tuple(o.at[i].set(x) for o, x in zip(outs, (nxt, lp, top_ids, top_lp)))
             n_gen = n_gen + active
             stopped = jnp.any(nxt[:, None] == stop_ids, axis=-1)
             inc = active.astype(jnp.int32)
             new_active = active & ~stopped & (n_gen < budget)
-            return (i + 1, pools, jnp.where(active, nxt, tokens), positions + inc, new_active,
-                    token_index + inc, n_gen, outs)
+            return (pools, jnp.where(active, nxt, tokens), positions + inc, new_active, token_index + inc, n_gen,
+                    outs)
 
-        init = (jnp.int32(0), pools, tokens, positions, active & (budget > 0), token_index,
-                jnp.zeros((b,), jnp.int32), outs)
-        _, pools, _, _, _, _, n_gen, outs = jax.lax.while_loop(cond, body, init)
-        return pools, (n_gen, outs)
+        def cond(c):
+            j, (_, _, _, active, _, _, _) = c
+            return (j < chunks) & jnp.any(active)
+
+        def chunk(c):
+            j, state = c
+            return j + 1, jax.lax.fori_loop(0, per, lambda s, st: step(j * per + s, st), state)
+
+        init = (pools, tokens, positions, active & (budget > 0), token_index, jnp.zeros((b,), jnp.int32), outs)
+        _, (pools, _, _, _, _, n_gen, outs) = jax.lax.while_loop(cond, chunk, (jnp.int32(0), init))
+        return pools, (n_gen, tuple(o[:n_steps] for o in outs))
 
     # ---------------------------------------------------------------- compilation
     def _abstract_inputs(self, kind: str, b: int, t: int):
@@ -370,7 +387,8 @@ class ModelRunner:
                 sds((b,), jnp.int32))
 
     def _lower(self, kind: str, b: int, t: int = 1):
-        fn = self._prefill_fn if kind == "prefill" else self._decode_fn
+        fn = (self._prefill_fn if kind == "prefill" else
+              functools.partial(self._decode_fn, kind == "decode_greedy"))
         rep = NamedSharding(self.mesh, P())
         jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=(self.pool_shardings, rep))
         return jitted.lower(*self._abstract_inputs(kind, b, t))
@@ -401,14 +419,15 @@ class ModelRunner:
         """Compiles every bucket; returns (kind, B, T, seconds) per program.
 
         Programs are traced one after another, then compiled by up to ``WARMUP_THREADS``
-        threads at once (XLA compiles outside the GIL): the demo model's 15 programs take 88 s
-        instead of 108 s on 2 CPU cores."""
+        threads at once (XLA compiles outside the GIL). Each decode bucket has two programs
+        (``DECODE_PROGRAMS``); the demo model's 19 programs take ~106 s on 2 CPU cores."""
         report = []
         if self.has_slots:
             t0 = time.perf_counter()
             self.zero_slots([0])
             report.append(("zero_slots", self.cfg.max_num_seqs + 1, 1, time.perf_counter() - t0))
-        shapes = [("decode", b, 1) for b in self.buckets.decode] + [("prefill", b, t) for b, t in self.buckets.prefill]
+        shapes = ([(kind, b, 1) for b in self.buckets.decode for kind in DECODE_PROGRAMS]
+                  + [("prefill", b, t) for b, t in self.buckets.prefill])
         lowered = [self._lower(*shape) for shape in shapes]
 
         def compile_one(item):
@@ -513,7 +532,7 @@ class ModelRunner:
             stop[i, : len(r.stop_ids)] = r.stop_ids
         sa = SamplingArrays.from_params([r.params for r in rows] + [None] * (b - len(rows)),
                                         [r.seed for r in rows] + [0] * (b - len(rows)), b)
-        fn = self._compile("decode", b)
+        fn = self._compile("decode_greedy" if greedy_batch([r.params for r in rows]) else "decode", b)
         args = (tokens, positions, self._page_table([r.pages for r in rows], b), self._slots(rows, b), active,
                 budget, stop, sa, tidx)
         h1 = time.perf_counter()

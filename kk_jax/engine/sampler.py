@@ -9,6 +9,7 @@ reproducible under any batching. Logprobs are those of the unmodified model dist
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -62,53 +63,63 @@ def _filter(scaled: jax.Array, sa: SamplingArrays) -> jax.Array:
     return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
 
 
-def sample(logits: jax.Array, sa: SamplingArrays, token_index: jax.Array):
+def greedy_batch(params: list[SamplingParams | None]) -> bool:
+    """True when every row takes the argmax and asks for no alternatives: the runner then runs
+    `sample(..., greedy=True)`, a program without device-side branches (padded rows are None)."""
+    return all(sp is None or (sp.temperature == 0 and not sp.logprobs) for sp in params)
+
+
+def sample(logits: jax.Array, sa: SamplingArrays, token_index: jax.Array, *, greedy: bool = False):
     """logits [B, V] fp32; token_index [B] (index of the token being generated per request).
 
     Returns tokens [B] i32, logprob [B] f32, top_ids [B, 20] i32, top_logprobs [B, 20] f32.
-    The top-20 is computed only when some row asks for alternatives (else zeros): over a
-    152K vocabulary it is a full segmented sort on the GPU, ~1 ms per step at batch 64
-    (H200 trace of the Qwen3-8B decode benchmark), a tenth of the step.
+
+    ``greedy`` (static, the host's `greedy_batch`): every row is the argmax and the
+    alternatives are zeros. Otherwise one `lax.switch` picks, per step, how to draw (every row
+    greedy: no scaling or noise; sampling; sampling with top-k / top-p / min-p, a full sort)
+    and whether to compute the top-20 (over a 152K vocabulary a full segmented sort on the GPU,
+    ~1 ms per step at batch 64 on the H200, a tenth of the step). XLA runs a device-side branch
+    by copying its index to the host and waiting (~30-70 us a step on the H200 at batch 1), so
+    the choice is one switch, and none at all for a greedy batch.
     """
     logits = logits.astype(jnp.float32)
+    n_top = min(MAX_LOGPROBS, logits.shape[-1])
 
-    def greedy(logits, sa, token_index):
+    def argmax(logits):
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    def sampled(filtered: bool):
-        def draw_rows(logits, sa, token_index):
-            temp = jnp.where(sa.temperature > 0, sa.temperature, 1.0)
-            scaled = logits / temp[:, None]
-            if filtered:
-                scaled = _filter(scaled, sa)
+    def draw_rows(logits, filtered):
+        temp = jnp.where(sa.temperature > 0, sa.temperature, 1.0)
+        scaled = logits / temp[:, None]
+        if filtered:
+            scaled = _filter(scaled, sa)
 
-            def draw(row_logits, seed, idx):
-                key = jax.random.fold_in(jax.random.key(seed), idx)
-                return jax.random.categorical(key, row_logits).astype(jnp.int32)
+        def draw(row_logits, seed, idx):
+            key = jax.random.fold_in(jax.random.key(seed), idx)
+            return jax.random.categorical(key, row_logits).astype(jnp.int32)
 
-            drawn = jax.vmap(draw)(scaled, sa.seed, token_index)
-            return jnp.where(sa.temperature > 0, drawn, greedy(logits, sa, token_index))
-        return draw_rows
+        drawn = jax.vmap(draw)(scaled, sa.seed, token_index)
+        return jnp.where(sa.temperature > 0, drawn, argmax(logits))
 
-    # one branch per step, chosen on the device: every row greedy (no scaling, no noise),
-    # sampling, or sampling with top-k / top-p / min-p (a full sort)
-    hot = sa.temperature > 0
-    needs_filter = jnp.any(hot & ((sa.top_k > 0) | (sa.top_p < 1.0) | (sa.min_p > 0.0)))
-    mode = jnp.where(jnp.any(hot), jnp.where(needs_filter, 2, 1), 0)
-    tokens = jax.lax.switch(mode, [greedy, sampled(False), sampled(True)], logits, sa, token_index)
-    # the chosen token's log-softmax, as jax.nn.log_softmax computes it, without writing [B, V]
-    peak = jnp.max(logits, axis=-1)
-    log_total = jnp.log(jnp.sum(jnp.exp(logits - peak[:, None]), axis=-1))
-    chosen = (jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - peak) - log_total
-    n_top = min(MAX_LOGPROBS, logits.shape[-1])
+    def no_top(logits):
+        return (jnp.zeros(logits.shape[:-1] + (n_top,), jnp.int32),
+                jnp.zeros(logits.shape[:-1] + (n_top,), logits.dtype))
 
     def top(logits):
         vals, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), n_top)
         return ids.astype(jnp.int32), vals
 
-    def none(logits):
-        return (jnp.zeros(logits.shape[:-1] + (n_top,), jnp.int32),
-                jnp.zeros(logits.shape[:-1] + (n_top,), logits.dtype))
-
-    top_ids, top_lp = jax.lax.cond(jnp.any(sa.top_logprobs > 0), top, none, logits)
+    if greedy:
+        tokens, (top_ids, top_lp) = argmax(logits), no_top(logits)
+    else:
+        draws = (argmax, functools.partial(draw_rows, filtered=False), functools.partial(draw_rows, filtered=True))
+        branches = [lambda lg, d=d, t=t: (d(lg), *t(lg)) for d in draws for t in (no_top, top)]
+        hot = sa.temperature > 0
+        needs_filter = jnp.any(hot & ((sa.top_k > 0) | (sa.top_p < 1.0) | (sa.min_p > 0.0)))
+        draw_mode = jnp.where(jnp.any(hot), jnp.where(needs_filter, 2, 1), 0)
+        tokens, top_ids, top_lp = jax.lax.switch(2 * draw_mode + jnp.any(sa.top_logprobs > 0), branches, logits)
+    # the chosen token's log-softmax, as jax.nn.log_softmax computes it, without writing [B, V]
+    peak = jnp.max(logits, axis=-1)
+    log_total = jnp.log(jnp.sum(jnp.exp(logits - peak[:, None]), axis=-1))
+    chosen = (jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - peak) - log_total
     return tokens, chosen, top_ids, top_lp

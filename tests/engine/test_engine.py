@@ -9,7 +9,7 @@ import pytest
 from kk_jax import LLM, SamplingParams
 from kk_jax.engine.request import RequestError
 
-LIMITS = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, decode_steps=4,
+LIMITS = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, decode_steps=6,
               progress=False)
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -1,11 +1,13 @@
 """The on-device sampler against its definition on small, hand-checkable distributions."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kk_jax.engine.request import SamplingParams
-from kk_jax.engine.sampler import SamplingArrays, sample
+from kk_jax.engine.sampler import SamplingArrays, greedy_batch, sample
 
 LOGITS = jnp.log(jnp.array([[0.5, 0.25, 0.15, 0.1]], jnp.float32))
 
@@ -95,3 +97,27 @@ def test_chosen_logprob_is_log_softmax_of_the_chosen_token():
     tok, lp, _, _ = jax.jit(sample)(logits, sa, jnp.arange(5, dtype=jnp.int32))
     want = jnp.take_along_axis(jax.jit(jax.nn.log_softmax)(logits), tok[:, None], axis=-1)[:, 0]
     np.testing.assert_allclose(np.asarray(lp), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_greedy_batches_are_told_apart_on_the_host():
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)
+    assert greedy_batch([greedy, None, greedy])
+    assert not greedy_batch([greedy, hot])
+    assert not greedy_batch([greedy, SamplingParams(temperature=0.0, logprobs=3)])
+
+
+def test_greedy_program_has_no_branches_and_matches_the_general_one():
+    """The greedy program is branch-free (XLA would copy a branch index to the host each step);
+    the general one chooses with a single switch. On a greedy batch both give the same outputs."""
+    logits = jax.random.normal(jax.random.key(1), (3, 500), jnp.float32) * 3
+    sa = SamplingArrays.from_params([SamplingParams(temperature=0.0)] * 3, [0] * 3, 3)
+    idx = jnp.zeros((3,), jnp.int32)
+    outs = {}
+    for greedy in (True, False):
+        fn = jax.jit(functools.partial(sample, greedy=greedy))
+        text = fn.lower(logits, sa, idx).as_text()
+        assert text.count("stablehlo.case") + text.count("stablehlo.if") == (0 if greedy else 1)
+        outs[greedy] = [np.asarray(o) for o in fn(logits, sa, idx)]
+    for a, b in zip(outs[True], outs[False]):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(outs[True][0], np.argmax(np.asarray(logits), -1))
