@@ -232,6 +232,9 @@ class EngineConfig:
     kernel_backend: str = "auto"          # auto (pallas on GPU, xla elsewhere) | pallas | xla
     kda_backend: str = "auto"             # KDA layers only: auto (= kernel_backend) | pallas | xla
     dense_decode_backend: str = "auto"   # unquantized linears at batch-1 decode: auto (pallas with the Pallas kernels on a GPU) | pallas | xla
+    greedy_decode_program: str = "auto"  # a second decode program per batch bucket for all-greedy batches,
+                                          # without sampler branches: auto (on a GPU, where a branch costs
+                                          # a device->host round trip each step) | on | off
     seed: int = 0
     compilation_cache_dir: str | None = None
     load_mtp: bool = False                # also load the model's MTP (NextN) block, for speculative decoding
@@ -253,6 +256,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be auto, pallas or xla, got {getattr(self, name)!r}")
         if self.dense_decode_backend not in ("auto", "pallas", "xla"):
             raise ConfigError(f"dense_decode_backend must be auto, pallas or xla, got {self.dense_decode_backend!r}")
+        if self.greedy_decode_program not in ("auto", "on", "off"):
+            raise ConfigError(f"greedy_decode_program must be auto, on or off, got {self.greedy_decode_program!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.decode_steps < 1:

@@ -54,7 +54,6 @@ MAX_STOP_IDS = 16
 # of a batch-1 step (bench_decode, RESULTS.md part 24); a finished batch runs at most 3 extra
 # steps, masked.
 EXIT_CHECK_STEPS = 4
-DECODE_PROGRAMS = ("decode", "decode_greedy")
 WARMUP_THREADS = 8           # concurrent start-up compiles (each holds a program's compiler state)
 JAX_DEFAULT_MEM_FRACTION = 0.75     # share of a GPU JAX's allocator may use unless told otherwise
 
@@ -241,6 +240,10 @@ class ModelRunner:
         if self.dense_backend == "pallas" and not on_gpu:
             raise ConfigError("dense_decode_backend 'pallas' runs a Mosaic GPU kernel and needs an NVIDIA GPU; "
                               f"the mesh's devices are {platform!r} (use xla)")
+        # all-greedy batches get a decode program without sampler branches where a branch costs a
+        # device->host round trip per step (GPUs; on the CPU the branch is host code anyway)
+        greedy = cfg.greedy_decode_program == "on" or (cfg.greedy_decode_program == "auto" and on_gpu)
+        self.decode_programs = ("decode", "decode_greedy") if greedy else ("decode",)
         if cfg.kda_backend == "pallas" and not on_gpu:
             raise ConfigError(f"kda_backend 'pallas' runs the Mosaic GPU KDA kernels and needs an NVIDIA GPU; "
                               f"the mesh's devices are {platform!r} (use auto or xla)")
@@ -419,14 +422,14 @@ class ModelRunner:
         """Compiles every bucket; returns (kind, B, T, seconds) per program.
 
         Programs are traced one after another, then compiled by up to ``WARMUP_THREADS``
-        threads at once (XLA compiles outside the GIL). Each decode bucket has two programs
-        (``DECODE_PROGRAMS``); the demo model's 19 programs take ~106 s on 2 CPU cores."""
+        threads at once (XLA compiles outside the GIL): the demo model's 15 programs take ~76 s on
+        2 CPU cores. Each decode bucket has one program per ``decode_programs``."""
         report = []
         if self.has_slots:
             t0 = time.perf_counter()
             self.zero_slots([0])
             report.append(("zero_slots", self.cfg.max_num_seqs + 1, 1, time.perf_counter() - t0))
-        shapes = ([(kind, b, 1) for b in self.buckets.decode for kind in DECODE_PROGRAMS]
+        shapes = ([(kind, b, 1) for b in self.buckets.decode for kind in self.decode_programs]
                   + [("prefill", b, t) for b, t in self.buckets.prefill])
         lowered = [self._lower(*shape) for shape in shapes]
 
@@ -532,7 +535,8 @@ class ModelRunner:
             stop[i, : len(r.stop_ids)] = r.stop_ids
         sa = SamplingArrays.from_params([r.params for r in rows] + [None] * (b - len(rows)),
                                         [r.seed for r in rows] + [0] * (b - len(rows)), b)
-        fn = self._compile("decode_greedy" if greedy_batch([r.params for r in rows]) else "decode", b)
+        greedy = "decode_greedy" in self.decode_programs and greedy_batch([r.params for r in rows])
+        fn = self._compile("decode_greedy" if greedy else "decode", b)
         args = (tokens, positions, self._page_table([r.pages for r in rows], b), self._slots(rows, b), active,
                 budget, stop, sa, tidx)
         h1 = time.perf_counter()

@@ -75,12 +75,11 @@ def sample(logits: jax.Array, sa: SamplingArrays, token_index: jax.Array, *, gre
     Returns tokens [B] i32, logprob [B] f32, top_ids [B, 20] i32, top_logprobs [B, 20] f32.
 
     ``greedy`` (static, the host's `greedy_batch`): every row is the argmax and the
-    alternatives are zeros. Otherwise one `lax.switch` picks, per step, how to draw (every row
-    greedy: no scaling or noise; sampling; sampling with top-k / top-p / min-p, a full sort)
-    and whether to compute the top-20 (over a 152K vocabulary a full segmented sort on the GPU,
-    ~1 ms per step at batch 64 on the H200, a tenth of the step). XLA runs a device-side branch
-    by copying its index to the host and waiting (~30-70 us a step on the H200 at batch 1), so
-    the choice is one switch, and none at all for a greedy batch.
+    alternatives are zeros, with no device-side branch: XLA runs one by copying its index to the
+    host and waiting (~30-70 us a step on the H200 at batch 1). Otherwise a `lax.switch` picks
+    how to draw (every row greedy: no scaling or noise; sampling; sampling with top-k / top-p /
+    min-p, a full sort) and a `lax.cond` whether to compute the top-20 (over a 152K vocabulary a
+    full segmented sort on the GPU, ~1 ms per step at batch 64 on the H200, a tenth of the step).
     """
     logits = logits.astype(jnp.float32)
     n_top = min(MAX_LOGPROBS, logits.shape[-1])
@@ -112,12 +111,12 @@ def sample(logits: jax.Array, sa: SamplingArrays, token_index: jax.Array, *, gre
     if greedy:
         tokens, (top_ids, top_lp) = argmax(logits), no_top(logits)
     else:
-        draws = (argmax, functools.partial(draw_rows, filtered=False), functools.partial(draw_rows, filtered=True))
-        branches = [lambda lg, d=d, t=t: (d(lg), *t(lg)) for d in draws for t in (no_top, top)]
         hot = sa.temperature > 0
         needs_filter = jnp.any(hot & ((sa.top_k > 0) | (sa.top_p < 1.0) | (sa.min_p > 0.0)))
-        draw_mode = jnp.where(jnp.any(hot), jnp.where(needs_filter, 2, 1), 0)
-        tokens, top_ids, top_lp = jax.lax.switch(2 * draw_mode + jnp.any(sa.top_logprobs > 0), branches, logits)
+        mode = jnp.where(jnp.any(hot), jnp.where(needs_filter, 2, 1), 0)
+        tokens = jax.lax.switch(mode, [argmax, functools.partial(draw_rows, filtered=False),
+                                       functools.partial(draw_rows, filtered=True)], logits)
+        top_ids, top_lp = jax.lax.cond(jnp.any(sa.top_logprobs > 0), top, no_top, logits)
     # the chosen token's log-softmax, as jax.nn.log_softmax computes it, without writing [B, V]
     peak = jnp.max(logits, axis=-1)
     log_total = jnp.log(jnp.sum(jnp.exp(logits - peak[:, None]), axis=-1))

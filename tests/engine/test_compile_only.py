@@ -1,9 +1,12 @@
-"""A compile-only ModelRunner: lowers and compiles its steps without weights or pools on a device."""
+"""ModelRunner programs: a compile-only runner lowers and compiles its steps without weights or pools
+on a device; the decode program for greedy batches decodes what the general one does."""
 
+import dataclasses
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from kk_jax.config import EngineConfig, Qwen3Config
@@ -44,3 +47,24 @@ def test_compile_only_runner_allocates_nothing_and_compiles_the_same_step():
     with pytest.raises(RuntimeError, match="compile-only"):
         abstract.decode([row])
     assert len(real.decode([row])[0].tokens) == 2
+
+
+def test_greedy_program_decodes_what_the_general_one_does():
+    """Off by default on the CPU; forced on, a greedy batch runs the branch-free program and gets
+    the general program's tokens and logprobs (6 steps: one chunk of 4 and one with 2 masked
+    steps; rows with budgets 6 and 3)."""
+    ecfg = dataclasses.replace(ECFG, decode_steps=6)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    outs = {}
+    for mode in ("off", "on"):
+        r = ModelRunner(Qwen3ForCausalLM, CFG, None, jnp.float32, dataclasses.replace(ecfg, greedy_decode_program=mode),
+                        make_mesh(1), progress=False, random_weights_seed=0)
+        assert r.decode_programs == (("decode",) if mode == "off" else ("decode", "decode_greedy"))
+        rows = [DecodeRow(token=5 + i, position=0, pages=[1 + i], slot=0, budget=budget, stop_ids=[], params=greedy,
+                          seed=0, token_index=0) for i, budget in enumerate((6, 3))]
+        outs[mode] = r.decode(rows)
+        assert list(r._compiled) == [("decode_greedy" if mode == "on" else "decode", 2, 1)]
+    assert [len(o.tokens) for o in outs["on"]] == [6, 3]
+    assert [o.tokens for o in outs["on"]] == [o.tokens for o in outs["off"]]
+    for a, b in zip(outs["on"], outs["off"]):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-6)
