@@ -276,22 +276,25 @@ def _merge_splits(o_ref, lse_ref, out_ref):
     d = arith.index_cast(index, mgpu_utils.thread_idx())
     with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, mgpu_utils.thread_idx(),
                                     mgpu_utils.c(head_dim, i32))):
+      # every load before any store: the stores may alias the partials as far as LLVM knows, so
+      # interleaving them would serialise one L2 round trip per query head
+      lses = [[memref.load(lse_gmem, [ci(s), ci(g)]) for s in range(nsplit)] for g in range(group)]
+      parts = [[memref.load(o_gmem, [ci(s), d, ci(g)]) for s in range(nsplit)] for g in range(group)]
+      out_ty = ir.MemRefType(out_gmem.type).element_type
       for g in range(group):
-        lses = [memref.load(lse_gmem, [ci(s), ci(g)]) for s in range(nsplit)]
-        m = lses[0]
-        for v in lses[1:]:
+        m = lses[g][0]
+        for v in lses[g][1:]:
           m = arith.maximumf(m, v)
         finite = arith.cmpf(arith.CmpFPredicate.OLT, m, mgpu_utils.c(float("inf"), f32))
         finite = arith.andi(finite, arith.cmpf(arith.CmpFPredicate.OGT, m, mgpu_utils.c(float("-inf"), f32)))
         m = arith.select(finite, m, mgpu_utils.c(0.0, f32))
         num, den = mgpu_utils.c(0.0, f32), mgpu_utils.c(0.0, f32)
-        for s, v in enumerate(lses):
+        for v, part in zip(lses[g], parts[g]):
           w = llvm.inline_asm(f32, [arith.subf(v, m)], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
-          num = arith.addf(num, arith.mulf(w, memref.load(o_gmem, [ci(s), d, ci(g)])))
+          num = arith.addf(num, arith.mulf(w, part))
           den = arith.addf(den, w)
         zero = arith.cmpf(arith.CmpFPredicate.OEQ, den, mgpu_utils.c(0.0, f32))
         o = arith.divf(num, arith.select(zero, mgpu_utils.c(1.0, f32), den))
-        out_ty = ir.MemRefType(out_gmem.type).element_type
         memref.store(o if out_ty == f32 else arith.truncf(out_ty, o), out_gmem, [ci(g), d])
 
   merge(o_ref, lse_ref, out_ref)
