@@ -174,7 +174,7 @@ def decode_prologue(qkv, q_norm_w, k_norm_w, cos, sin, page, slot, k_pages, v_pa
         plgpu.copy_smem_to_gmem(oq_smem, qs_ref.at[bi, h])
         plgpu.copy_smem_to_gmem(ok_smem, kp_ref.at[pg, sl, h])
         plgpu.copy_smem_to_gmem(in_smem.at[group + 1], vp_ref.at[pg, sl, h])
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the writes complete by the kernel's end
 
     call = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((b, num_kv_heads, group_p, d), jnp.bfloat16),
