@@ -280,8 +280,8 @@ def silu_times(g, u):
 
 def _item_sums(fmt, acc, red_ref, s2_ref, y_ref, res_ref, *, interpret, s2_at=0, gate_ref=None):
     """y_ref [1, ROWS] (output dtype) <- the sum of acc [128, ROWS] over its 128 threads times
-    fmt.factor * w_scale_2 (s2_ref[s2_at], f32 in shared memory), rounded once; plus, with res_ref (the
-    item's [1, ROWS] bf16 residual), res + that, rounded again (a bf16 residual add); or, with
+    fmt.factor * w_scale_2 (s2_ref[s2_at], f32 in shared memory), rounded once; plus, with res_ref
+    (the item's [1, ROWS] bf16 residual), res + that, rounded again (a bf16 residual add); or, with
     gate_ref (the [1, ROWS] bf16 gate of these rows, this item being their up projection),
     silu(gate) * that (`silu_times`)."""
     if interpret:
@@ -392,7 +392,8 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
               + ([residual.astype(jnp.bfloat16).reshape(n // _X_ROW, _X_ROW)] if res else []))
     # as many CTAs per SM as are resident at once (a persistent grid must not run in waves)
     slot = ROWS * ROW_BYTES + (np.prod(fmt.scales.slot) * jnp.dtype(fmt.scales.dtype).itemsize if scaled else 0)
-    smem = 2 * kp + _STAGES * slot + sum(2 * a.size for a in extras) + 4 * ROWS * 4 + ROWS * 4 * (1 + glu) + 4 * s2.shape[0]
+    smem = (2 * kp + _STAGES * slot + sum(2 * a.size for a in extras) + 4 * ROWS * 4 + ROWS * 4 * (1 + glu)
+            + 4 * s2.shape[0])
     ctas = min(units, num_sms() * max(1, min(_CTAS_PER_SM, _SM_SMEM // (smem + _CTA_SMEM_RESERVE))))
 
     def kernel(*refs):
