@@ -219,17 +219,19 @@ def attend_prepared(qs, k_pages, v_pages, page_table, kv_lens, *, group, v_scale
                     out_dtype=jnp.float32):
   """The kernel on a prepared query operand: qs [B, Hkv, group_p, D] bf16, q * scale * k_scale
   grouped by kv head, rows past `group` zero (as `paged_decode_attention_kernel` builds it, or
-  `prologue.decode_prologue`) -> o [B, Hq, D] f32."""
+  `prologue.decode_prologue`) -> o [B, Hq, D] out_dtype (times v_scale, rounded once)."""
   batch, num_kv_heads, group_p, head_dim = qs.shape
   _, page_size, _, _ = k_pages.shape
   block_tokens, num_stages, num_splits = plan(
       batch, num_kv_heads, page_table.shape[1], page_size, head_dim, k_pages.dtype, group_p,
       num_splits=num_splits, num_stages=num_stages, block_tokens=block_tokens)
   merge = 1 < num_splits <= MAX_CLUSTER and not interpret
+  unit_scale = isinstance(v_scale, float) and v_scale == 1.0
   o_part, lse, merged = _paged_call(
       qs, k_pages, v_pages, page_table, kv_lens, group=group,
       num_splits=num_splits, num_stages=num_stages, block_tokens=block_tokens, merge=merge,
-      out_dtype=jnp.dtype(out_dtype), interpret=interpret)
+      # the in-kernel merge writes the final dtype only when no v_scale follows (one rounding)
+      out_dtype=jnp.dtype(out_dtype if unit_scale else jnp.float32), interpret=interpret)
   if merge:
     o = merged                                             # [B, Hq, D], splits merged in-kernel
   else:
@@ -247,7 +249,7 @@ def attend_prepared(qs, k_pages, v_pages, page_table, kv_lens, *, group, v_scale
                      precision=lax.Precision.HIGHEST)
       o = o / jnp.where(denom == 0.0, 1.0, denom)[:, :, None, :]
     o = jnp.swapaxes(o, -1, -2).reshape(batch, num_kv_heads * group, head_dim)
-  if not (isinstance(v_scale, float) and v_scale == 1.0):
+  if not unit_scale:
     o = o * jnp.asarray(v_scale, jnp.float32)
   return o.astype(out_dtype)
 
