@@ -280,8 +280,8 @@ def silu_times(g, u):
 
 def _item_sums(fmt, acc, red_ref, s2_ref, y_ref, res_ref, *, interpret, s2_at=0, gate_ref=None):
     """y_ref [1, ROWS] (output dtype) <- the sum of acc [128, ROWS] over its 128 threads times
-    fmt.factor * w_scale_2 (s2_ref[s2_at], f32 in HBM), rounded once; plus, with res_ref (the
-    item's [1, ROWS] bf16 residual), res + that, rounded again (a bf16 residual add); or, with
+    fmt.factor * w_scale_2 (s2_ref[s2_at], f32 in shared memory), rounded once; plus, with res_ref
+    (the item's [1, ROWS] bf16 residual), res + that, rounded again (a bf16 residual add); or, with
     gate_ref (the [1, ROWS] bf16 gate of these rows, this item being their up projection),
     silu(gate) * that (`silu_times`)."""
     if interpret:
@@ -296,7 +296,7 @@ def _item_sums(fmt, acc, red_ref, s2_ref, y_ref, res_ref, *, interpret, s2_at=0,
     refs = (red_ref, s2_ref, y_ref) + tuple(r for r in (res_ref, gate_ref) if r is not None)
 
     @plgpu.inline_mgpu(arg_types=(_ACC,) + (plgpu.RefType(),) * len(refs))
-    def reduce(_, acc_in, red_smem, s2_gmem, y_smem, extra_smem=None):
+    def reduce(_, acc_in, red_smem, s2_smem, y_smem, extra_smem=None):
         res_smem, gate_smem = (extra_smem, None) if res_ref is not None else (None, extra_smem)
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
         cst = lambda v, ty=i32: mgpu_utils.c(v, ty)
@@ -325,7 +325,7 @@ def _item_sums(fmt, acc, red_ref, s2_ref, y_ref, res_ref, *, interpret, s2_at=0,
             total = memref.load(red_smem, [cst(0, index), ix(t)])
             for w in range(1, 4):
                 total = arith.addf(total, memref.load(red_smem, [cst(w, index), ix(t)]))
-            s2 = memref.load(s2_gmem, [cst(s2_at, index)])
+            s2 = memref.load(s2_smem, [cst(s2_at, index)])
             total = arith.mulf(total, arith.mulf(s2, mgpu_utils.c(fmt.factor, s2.type)))
             out_ty = ir.MemRefType(y_smem.type).element_type
             if out_ty != total.type:
@@ -392,7 +392,8 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
               + ([residual.astype(jnp.bfloat16).reshape(n // _X_ROW, _X_ROW)] if res else []))
     # as many CTAs per SM as are resident at once (a persistent grid must not run in waves)
     slot = ROWS * ROW_BYTES + (np.prod(fmt.scales.slot) * jnp.dtype(fmt.scales.dtype).itemsize if scaled else 0)
-    smem = 2 * kp + _STAGES * slot + sum(2 * a.size for a in extras) + 4 * ROWS * 4 + ROWS * 4 * (1 + glu)
+    smem = (2 * kp + _STAGES * slot + sum(2 * a.size for a in extras) + 4 * ROWS * 4 + ROWS * 4 * (1 + glu)
+            + 4 * s2.shape[0])
     ctas = min(units, num_sms() * max(1, min(_CTAS_PER_SM, _SM_SMEM // (smem + _CTA_SMEM_RESERVE))))
 
     def kernel(*refs):
@@ -400,9 +401,9 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
         take = lambda cond: refs.pop(0) if cond else None
         x_ref, w_ref, s_ref, s2_ref, nw_ref, r_ref, y_ref = (
             take(True), take(True), take(scaled), take(True), take(normed), take(res), take(True))
-        x_smem, w_smem, s_smem, nw_smem, r_smem, y_smem, g_smem, red_smem, bar, xbar = (
+        x_smem, w_smem, s_smem, nw_smem, r_smem, y_smem, g_smem, red_smem, s2_smem, bar, xbar = (
             take(True), take(True), take(scaled), take(normed), take(res), take(True), take(glu), take(True),
-            take(True), take(True))
+            take(True), take(True), take(True))
         c = lax.axis_index("c")
         per_unit = kcn * (1 + glu)
         tiles = lax.div(units - c + ctas - 1, ctas) * per_unit    # units c, c + ctas, ... x K tiles
@@ -436,6 +437,10 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
             @pl.when(p < tiles)
             def _():
                 issue(p, p)
+        # the global scales, read while the copies are in flight (every item's end multiplies by
+        # one; a read from HBM there would add its latency to each item)
+        for i in range(s2.shape[0]):
+            s2_smem[i] = s2_ref[i]
         plgpu.barrier_wait(xbar.at[0])
         if normed:
             _rms_normalize(x_smem, nw_smem, red_smem, k=k, eps=eps, interpret=interpret)
@@ -460,7 +465,7 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # y_smem free again
                 r_item = (r_smem.at[pl.ds(lax.div(first, _X_ROW), 1), pl.ds(lax.rem(first, _X_ROW), ROWS)]
                           if res else None)
-                _item_sums(fmt, acc, red_smem, s2_ref, y_smem, r_item, interpret=interpret, s2_at=member,
+                _item_sums(fmt, acc, red_smem, s2_smem, y_smem, r_item, interpret=interpret, s2_at=member,
                            gate_ref=g_smem)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(y_smem, y_ref.at[:, pl.ds(unit * ROWS, ROWS)])
@@ -468,7 +473,7 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
             if glu:
                 @pl.when(last & ~up)
                 def _():
-                    _item_sums(fmt, acc, red_smem, s2_ref, g_smem, None, interpret=interpret)
+                    _item_sums(fmt, acc, red_smem, s2_smem, g_smem, None, interpret=interpret)
 
                 pl.when(last & up)(lambda: store(0 if shared else 1))
             elif shared:
@@ -482,7 +487,9 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
 
         zero = plgpu.layout_cast(jnp.zeros((128, ROWS), jnp.float32), _ACC)
         lax.fori_loop(0, tiles, step, zero)
-        plgpu.wait_smem_to_gmem(0)
+        # the last output store must have read its shared memory before the CTA exits; its
+        # global writes complete by the kernel's end (no wait for them at each CTA's tail)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel.__name__ = fmt.name
     u8 = jnp.uint8
@@ -495,6 +502,7 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
                        plgpu.SMEM((1, ROWS), out_dtype),
                        *([plgpu.SMEM((1, ROWS), out_dtype)] if glu else []),
                        plgpu.SMEM((4, ROWS), jnp.float32),
+                       plgpu.SMEM((s2.shape[0],), jnp.float32),
                        plgpu.Barrier(num_arrivals=4 + scaled, num_barriers=_STAGES),
                        plgpu.Barrier(num_arrivals=1 + len(extras), num_barriers=1)],
         grid=(ctas,), grid_names=("c",),

@@ -439,9 +439,11 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
                 plgpu.wgmma_wait(0)
                 return acc[...]
 
+            # nvfp4's global scale, read before the pipeline so that its HBM latency hides there
+            s2 = s_gmem[1][e] if fmt == "nvfp4" else None
             acc = pl.run_scoped(compute, plgpu.ACC((BN, bm), jnp.float32))
             if fmt == "nvfp4":
-                acc = acc * s_gmem[1][e]
+                acc = acc * s2
             store_tile(acc.astype(part_dtype), o_smem, o_gmem, ks, splits, pl.ds(mb * bm, bm), pl.ds(nb * BN, BN))
 
         if grouped:
@@ -474,7 +476,7 @@ def store_tile(acc_t, o_smem, o_gmem, ks, splits: int, rows, cols) -> None:
     plgpu.commit_smem()
     dst = o_gmem.at[ks] if splits > 1 else o_gmem
     plgpu.copy_smem_to_gmem(o_smem, dst.at[rows, cols])
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the writes complete by the kernel's end
 
 
 def matmul_padded(fmt: str, x2, w, scales, n: int, out_dtype, interpret=False, **plan_overrides):

@@ -15,11 +15,13 @@ N dimension of wgmma instead of being padded to M = 64:
 with T = block_tokens (64 or 128), Gp = query group padded to 16, 32 or 64. The
 softmax reduces over axis 0 (tokens). A block is one or more whole pages
 (page_size <= T, one TMA copy per page) or a slice of a page (page_size > T).
-The kernel writes per-split normalised O^T and the base-2 log-sum-exp; the
-wrapper combines splits (log-sum-exp weights), applies v_scale and transposes
-back to [B, Hq, D]. `plan` picks block size, pipeline depth and splits (small
-batch: context splits so that ~2 CTAs per SM are busy; large batch: one CTA per
-SM with 128-token blocks).
+Split s of S takes the blocks s, s + S, s + 2S, ..., so its first block is known
+before the sequence length is read. Each split writes its normalised O^T and
+base-2 log-sum-exp; with 2..MAX_CLUSTER splits they run as one thread-block
+cluster whose first CTA combines them (log-sum-exp weights) into [B, Hq, D],
+otherwise (and in interpret mode) the wrapper does. `plan` picks block size,
+pipeline depth and splits (small batch: context splits so that ~2 CTAs per SM
+are busy; large batch: one CTA per SM with 128-token blocks).
 
 Numerics: q is multiplied by scale * k_scale in fp32 and rounded to bf16; K/V
 tiles are bf16 (bf16 pools are used as stored; f32 and float8_e4m3fn pools are
@@ -278,22 +280,25 @@ def _merge_splits(o_ref, lse_ref, out_ref):
     d = arith.index_cast(index, mgpu_utils.thread_idx())
     with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, mgpu_utils.thread_idx(),
                                     mgpu_utils.c(head_dim, i32))):
+      # every load before any store: the stores may alias the partials as far as LLVM knows, so
+      # interleaving them would serialise one L2 round trip per query head
+      lses = [[memref.load(lse_gmem, [ci(s), ci(g)]) for s in range(nsplit)] for g in range(group)]
+      parts = [[memref.load(o_gmem, [ci(s), d, ci(g)]) for s in range(nsplit)] for g in range(group)]
+      out_ty = ir.MemRefType(out_gmem.type).element_type
       for g in range(group):
-        lses = [memref.load(lse_gmem, [ci(s), ci(g)]) for s in range(nsplit)]
-        m = lses[0]
-        for v in lses[1:]:
+        m = lses[g][0]
+        for v in lses[g][1:]:
           m = arith.maximumf(m, v)
         finite = arith.cmpf(arith.CmpFPredicate.OLT, m, mgpu_utils.c(float("inf"), f32))
         finite = arith.andi(finite, arith.cmpf(arith.CmpFPredicate.OGT, m, mgpu_utils.c(float("-inf"), f32)))
         m = arith.select(finite, m, mgpu_utils.c(0.0, f32))
         num, den = mgpu_utils.c(0.0, f32), mgpu_utils.c(0.0, f32)
-        for s, v in enumerate(lses):
+        for v, part in zip(lses[g], parts[g]):
           w = llvm.inline_asm(f32, [arith.subf(v, m)], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
-          num = arith.addf(num, arith.mulf(w, memref.load(o_gmem, [ci(s), d, ci(g)])))
+          num = arith.addf(num, arith.mulf(w, part))
           den = arith.addf(den, w)
         zero = arith.cmpf(arith.CmpFPredicate.OEQ, den, mgpu_utils.c(0.0, f32))
         o = arith.divf(num, arith.select(zero, mgpu_utils.c(1.0, f32), den))
-        out_ty = ir.MemRefType(out_gmem.type).element_type
         memref.store(o if out_ty == f32 else arith.truncf(out_ty, o), out_gmem, [ci(g), d])
 
   merge(o_ref, lse_ref, out_ref)
@@ -304,7 +309,7 @@ def _merge_splits(o_ref, lse_ref, out_ref):
 def _paged_call(qs, k_pages, v_pages, page_table, kv_lens, *, group, num_splits,
                 num_stages, block_tokens, merge, out_dtype, interpret):
   batch, num_kv_heads, group_p, head_dim = qs.shape
-  _, page_size, _, _ = k_pages.shape
+  num_pages, page_size, _, _ = k_pages.shape
   max_pages = page_table.shape[1]
   pool_dtype = k_pages.dtype
   convert = pool_dtype != jnp.dtype(jnp.bfloat16)
@@ -320,29 +325,23 @@ def _paged_call(qs, k_pages, v_pages, page_table, kv_lens, *, group, num_splits,
     h = lax.axis_index("head")
     s = lax.axis_index("split")
     b = lax.axis_index("batch")
-    kv_len = len_ref[b]
-    n_pages = lax.div(kv_len + (page_size - 1), page_size)
-    n_blk = lax.div(kv_len + (tb - 1), tb)
-    if nsplit == 1:
-      # Static j0 = 0: the page-id loads of the prologue do not wait for kv_len.
-      j0, n = 0, n_blk
-    else:
-      bps = lax.div(n_blk + (nsplit - 1), nsplit)         # blocks per split
-      j0 = s * bps
-      n = jnp.maximum(jnp.minimum(n_blk - j0, bps), 0)    # blocks of this CTA
-
+    # Split s takes blocks s, s + nsplit, s + 2 nsplit, ...: its first block is known before
+    # kv_len is, so that block's page ids are read and its copies issued without waiting for
+    # the kv_len load (past the end, the page the table names there, clamped into the pool;
+    # those rows are masked).
+    blk = lambda i: s + i * nsplit
     plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
 
-    def page_ids(j):
-      """(page id, row offset) of each copy of block j. Chunks past the sequence
-      end read the dummy page 0 (their rows are masked), so every copy is legal
-      and each barrier always sees cpb arrivals."""
+    def page_ids(j, n_pages=None):
+      """(page id, row offset) of each copy of block j. Given n_pages, chunks past the
+      sequence end read the dummy page 0; without it, the table's entry clamped into the pool
+      (their rows are masked either way)."""
       ids = []
       for c in range(cpb):
         tok = j * tb + c * chunk
         idx = lax.div(tok, page_size)
         pid = pt_ref[b, jnp.minimum(idx, max_pages - 1)]
-        ids.append(jnp.where(idx < n_pages, pid, 0))
+        ids.append(jnp.clip(pid, 0, num_pages - 1) if n_pages is None else jnp.where(idx < n_pages, pid, 0))
         if chunk < page_size:
           ids.append(lax.rem(tok, page_size))
       return tuple(ids)
@@ -360,10 +359,21 @@ def _paged_call(qs, k_pages, v_pages, page_table, kv_lens, *, group, num_splits,
         plgpu.copy_gmem_to_smem(v_ref.at[pid, src_rows, h, :], v_smem.at[slot, dst_rows],
                                 v_bar.at[slot])
 
-    for i in range(ns):
+    issue(0, page_ids(blk(0)))
+    kv_len = len_ref[b]
+    n_pages = lax.div(kv_len + (page_size - 1), page_size)
+    n_blk = lax.div(kv_len + (tb - 1), tb)
+    n = jnp.maximum(lax.div(n_blk - s + (nsplit - 1), nsplit), 0)   # blocks of this CTA
+
+    for i in range(1, ns):
       @pl.when(i < n)
       def _prologue():
-        issue(i, page_ids(j0 + i))
+        issue(i, page_ids(blk(i), n_pages))
+
+    @pl.when(n == 0)
+    def _drain():                       # the first block's copies land before the CTA ends
+      plgpu.barrier_wait(k_bar.at[0])
+      plgpu.barrier_wait(v_bar.at[0])
 
     plgpu.barrier_wait(q_bar.at[0])
 
@@ -377,7 +387,7 @@ def _paged_call(qs, k_pages, v_pages, page_table, kv_lens, *, group, num_splits,
     def step(i, carry):
       acc, m_i, l_i, ids = carry
       slot = lax.rem(i, ns)
-      blk_start = (j0 + i) * tb
+      blk_start = blk(i) * tb
       n_valid = kv_len - blk_start                        # >= 1
       plgpu.barrier_wait(k_bar.at[slot])
       if convert:
@@ -425,10 +435,10 @@ def _paged_call(qs, k_pages, v_pages, page_table, kv_lens, *, group, num_splits,
       @pl.when(i + ns < n)
       def _refill():
         issue(slot, ids)
-      ids = page_ids(j0 + i + ns + 1)
+      ids = page_ids(blk(i + ns + 1), n_pages)
       return acc, m_new, l_new, ids
 
-    acc, m_i, l_i, _ = lax.fori_loop(0, n, step, (acc0, m0, l0, page_ids(j0 + ns)))
+    acc, m_i, l_i, _ = lax.fori_loop(0, n, step, (acc0, m0, l0, page_ids(blk(ns), n_pages)))
 
     l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
     o_ref[b, h, s] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])

@@ -166,15 +166,15 @@ def decode_prologue(qkv, q_norm_w, k_norm_w, cos, sin, page, slot, k_pages, v_pa
             plgpu.copy_gmem_to_smem(src, w_smem.at[pl.ds(i, 1)], bar.at[0])
         for i, src in enumerate((cos_ref, sin_ref)):
             plgpu.copy_gmem_to_smem(src.at[pl.ds(bi, 1)], cs_smem.at[pl.ds(i, 1)], bar.at[0])
+        pg, sl = page_ref[bi], slot_ref[bi]            # their latency hides behind the copies
         plgpu.barrier_wait(bar.at[0])
         _normalize_rotate(in_smem, w_smem, cs_smem, tmp_smem, red_smem, oq_smem, ok_smem, group=group,
                           eps=eps, scale=scale, interpret=interpret)
         plgpu.commit_smem()
-        pg, sl = page_ref[bi], slot_ref[bi]
         plgpu.copy_smem_to_gmem(oq_smem, qs_ref.at[bi, h])
         plgpu.copy_smem_to_gmem(ok_smem, kp_ref.at[pg, sl, h])
         plgpu.copy_smem_to_gmem(in_smem.at[group + 1], vp_ref.at[pg, sl, h])
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the writes complete by the kernel's end
 
     call = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((b, num_kv_heads, group_p, d), jnp.bfloat16),

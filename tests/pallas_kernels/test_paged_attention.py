@@ -124,7 +124,15 @@ def test_kernel_interpret_matches_reference(case):
   lens = shapes["kv_lens"]
   args = make_inputs(batch=len(lens), pool_dtype=pool_dtype, q_dtype=q_dtype,
                      poison="poison" in name, seed=7, **shapes)
-  out = paged_decode_attention_kernel(*args, interpret=True, **kernel_kw, **scales)
+  kernel_args = args
+  if "poison" in name:
+    # table entries past each sequence's pages name pages outside the pool: the kernel may read
+    # them (clamped) for a split's first block but must never let them reach the output
+    q, k, v, table, kv = args
+    used = (jnp.arange(table.shape[1])[None, :] * shapes["page_size"]) < kv[:, None]
+    junk = jnp.where(jnp.arange(table.shape[1]) % 2 == 0, -7, k.shape[0] + 1000)
+    kernel_args = (q, k, v, jnp.where(used, table, junk[None, :]).astype(jnp.int32), kv)
+  out = paged_decode_attention_kernel(*kernel_args, interpret=True, **kernel_kw, **scales)
   ref = paged_decode_attention(*args, backend="xla", **scales)
   assert out.shape == ref.shape and out.dtype == q_dtype
   out_np = np.asarray(jnp.asarray(out, jnp.float32))
