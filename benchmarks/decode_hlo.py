@@ -91,15 +91,16 @@ def decode_program(layers: int, batch: int, tp: int = 1, steps: int = 8, context
         runner = ModelRunner(model_cls, cfg, ckpt, jnp.bfloat16, ecfg, h200_mesh(tp), progress=False,
                              compile_only=True)
     t0 = time.perf_counter()
-    lowered = runner._lower(program, batch)
+    lowered = runner._lower(program, batch, steps)
     t1 = time.perf_counter()
-    hlo = runner._compile(program, batch, lowered=lowered).as_text()
+    hlo = runner._compile(program, batch, steps, lowered=lowered).as_text()
     return hlo, t1 - t0, time.perf_counter() - t1
 
 
 def loop_body_launches(hlo: str) -> list[tuple[str, str]]:
     """(instruction name, kind) of every kernel-launching instruction of one decode step: the
-    body of the while loop that launches the most (the step loop inside the early-exit loop)."""
+    body of the while loop that launches the most (the step loop, not a scanned layer loop or
+    one inside a kernel's twin)."""
     def launches(body):
         start = hlo.index("\n" + body + " ") + 1
         lines = hlo[start:hlo.index("\n}\n", start)].splitlines()

@@ -235,6 +235,9 @@ class EngineConfig:
     greedy_decode_program: str = "auto"  # a second decode program per batch bucket for all-greedy batches,
                                           # without sampler branches: auto (on a GPU, where a branch costs
                                           # a device->host round trip each step) | on | off
+    decode_tail_program: str = "auto"    # a second, 4-step decode program per batch bucket for calls whose
+                                          # rows all have at most 4 tokens left (a decode program runs all its
+                                          # steps, masked once its rows stop): auto (on a GPU) | on | off
     seed: int = 0
     compilation_cache_dir: str | None = None
     load_mtp: bool = False                # also load the model's MTP (NextN) block, for speculative decoding
@@ -256,8 +259,9 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be auto, pallas or xla, got {getattr(self, name)!r}")
         if self.dense_decode_backend not in ("auto", "pallas", "xla"):
             raise ConfigError(f"dense_decode_backend must be auto, pallas or xla, got {self.dense_decode_backend!r}")
-        if self.greedy_decode_program not in ("auto", "on", "off"):
-            raise ConfigError(f"greedy_decode_program must be auto, on or off, got {self.greedy_decode_program!r}")
+        for name in ("greedy_decode_program", "decode_tail_program"):
+            if getattr(self, name) not in ("auto", "on", "off"):
+                raise ConfigError(f"{name} must be auto, on or off, got {getattr(self, name)!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.decode_steps < 1:

@@ -7,7 +7,8 @@ compiled steps (DESIGN rules 2-4):
   next token at each row's last chunk position.
 * ``decode``: ``decode_steps`` steps of ``[B]`` tokens inside one loop (model → sample →
   append → stop check), with the pages for those steps reserved beforehand; ``decode_greedy``
-  is the same loop for batches whose rows all take the argmax (no sampler branches).
+  is the same loop for batches whose rows all take the argmax (no sampler branches). Each
+  decode kind may also have a ``TAIL_DECODE_STEPS``-step program for the last tokens of rows.
 
 Both take ``(weights, pools, batch)``, return ``(pools, outputs)`` and donate ``pools``.
 Weights are flattened once at load into a leaf tuple; the NNX module is re-assembled inside
@@ -49,11 +50,12 @@ from kk_jax.quant.config import detect
 log = logging.getLogger(__name__)
 
 MAX_STOP_IDS = 16
-# Decode steps between the loop's early-exit tests. XLA tests a while loop's condition on the
-# host (a device->host copy and a wait, ~30-70 us on the H200), so a test every step cost ~2-7 %
-# of a batch-1 step (bench_decode, RESULTS.md part 24); a finished batch runs at most 3 extra
-# steps, masked.
-EXIT_CHECK_STEPS = 4
+# Steps of the short decode program, for calls whose rows all have at most this many tokens
+# left. A decode program runs a fixed number of steps: a loop of known trip count runs on the
+# device without host tests (a data-dependent loop tests its condition on the host, a
+# device->host copy and a wait per test, and makes the call synchronous), so a call whose rows
+# all stop early runs its remaining steps masked.
+TAIL_DECODE_STEPS = 4
 WARMUP_THREADS = 8           # concurrent start-up compiles (each holds a program's compiler state)
 JAX_DEFAULT_MEM_FRACTION = 0.75     # share of a GPU JAX's allocator may use unless told otherwise
 
@@ -244,6 +246,11 @@ class ModelRunner:
         # device->host round trip per step (GPUs; on the CPU the branch is host code anyway)
         greedy = cfg.greedy_decode_program == "on" or (cfg.greedy_decode_program == "auto" and on_gpu)
         self.decode_programs = ("decode", "decode_greedy") if greedy else ("decode",)
+        # step counts of the decode programs: a short program spares the tail calls of requests
+        # the masked steps of a full one, where a device call is dear (GPUs)
+        tail = cfg.decode_tail_program == "on" or (cfg.decode_tail_program == "auto" and on_gpu)
+        self.decode_step_counts = tuple(sorted({cfg.decode_steps, min(TAIL_DECODE_STEPS, cfg.decode_steps)}
+                                               if tail else {cfg.decode_steps}))
         if cfg.kda_backend == "pallas" and not on_gpu:
             raise ConfigError(f"kda_backend 'pallas' runs the Mosaic GPU KDA kernels and needs an NVIDIA GPU; "
                               f"the mesh's devices are {platform!r} (use auto or xla)")
@@ -332,22 +339,19 @@ class ModelRunner:
         h_last = jnp.take_along_axis(h, last_idx[:, None, None], axis=1)[:, 0]       # [B, hidden]
         return pools, sample(model.logits(h_last), sa, token_index)
 
-    def _decode_fn(self, greedy, weights, pools, tokens, positions, page_table, slots, active, budget, stop_ids, sa,
-                   token_index):
-        """``decode_steps`` steps in chunks of ``EXIT_CHECK_STEPS``: each chunk is a loop of known
-        trip count, which XLA runs without consulting the host; between chunks the loop stops
-        once no row is active. ``greedy`` (static): the batch's rows all take the argmax."""
+    def _decode_fn(self, greedy, n_steps, weights, pools, tokens, positions, page_table, slots, active, budget,
+                   stop_ids, sa, token_index):
+        """``n_steps`` (static) steps in one loop of known trip count, which XLA runs without
+        consulting the host; a row stops at a stop id or after ``budget`` tokens and its later
+        steps are masked. ``greedy`` (static): the batch's rows all take the argmax."""
         model = self._model(weights)
-        n_steps, b = self.cfg.decode_steps, tokens.shape[0]
-        per = min(EXIT_CHECK_STEPS, n_steps)
-        chunks = -(-n_steps // per)
+        b = tokens.shape[0]
         k = min(MAX_LOGPROBS, self.model_cfg.vocab_size)
-        outs = (jnp.zeros((chunks * per, b), jnp.int32), jnp.zeros((chunks * per, b), jnp.float32),
-                jnp.zeros((chunks * per, b, k), jnp.int32), jnp.zeros((chunks * per, b, k), jnp.float32))
+        outs = (jnp.zeros((n_steps, b), jnp.int32), jnp.zeros((n_steps, b), jnp.float32),
+                jnp.zeros((n_steps, b, k), jnp.int32), jnp.zeros((n_steps, b, k), jnp.float32))
 
         def step(i, c):
             pools, tokens, positions, active, token_index, n_gen, outs = c
-            active = active & (i < n_steps)
             batch = AttentionBatch(positions[:, None], active[:, None], page_table,
                                    jnp.where(active, positions + 1, 0), slots)
             h, pools = model(tokens[:, None], batch, pools, self.ops)
@@ -360,17 +364,9 @@ class ModelRunner:
             return (pools, jnp.where(active, nxt, tokens), positions + inc, new_active, token_index + inc, n_gen,
                     outs)
 
-        def cond(c):
-            j, (_, _, _, active, _, _, _) = c
-            return (j < chunks) & jnp.any(active)
-
-        def chunk(c):
-            j, state = c
-            return j + 1, jax.lax.fori_loop(0, per, lambda s, st: step(j * per + s, st), state)
-
         init = (pools, tokens, positions, active & (budget > 0), token_index, jnp.zeros((b,), jnp.int32), outs)
-        _, (pools, _, _, _, _, n_gen, outs) = jax.lax.while_loop(cond, chunk, (jnp.int32(0), init))
-        return pools, (n_gen, tuple(o[:n_steps] for o in outs))
+        pools, _, _, _, _, n_gen, outs = jax.lax.fori_loop(0, n_steps, step, init)
+        return pools, (n_gen, outs)
 
     # ---------------------------------------------------------------- compilation
     def _abstract_inputs(self, kind: str, b: int, t: int):
@@ -389,14 +385,17 @@ class ModelRunner:
                 sds((b,), jnp.int32), sds((b,), jnp.bool_), sds((b,), jnp.int32), sds((b, MAX_STOP_IDS), jnp.int32), sa,
                 sds((b,), jnp.int32))
 
-    def _lower(self, kind: str, b: int, t: int = 1):
+    def _lower(self, kind: str, b: int, t: int):
+        """``t``: tokens per row of a prefill program, steps of a decode one. The sampled outputs
+        land in pinned host memory: the program copies them out on its stream, sparing a
+        separate device->host transfer and its wait (~0.4 ms a call on the H200)."""
         fn = (self._prefill_fn if kind == "prefill" else
-              functools.partial(self._decode_fn, kind == "decode_greedy"))
-        rep = NamedSharding(self.mesh, P())
-        jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=(self.pool_shardings, rep))
+              functools.partial(self._decode_fn, kind == "decode_greedy", t))
+        host = NamedSharding(self.mesh, P(), memory_kind="pinned_host")
+        jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=(self.pool_shardings, host))
         return jitted.lower(*self._abstract_inputs(kind, b, t))
 
-    def _compile(self, kind: str, b: int, t: int = 1, lowered=None):
+    def _compile(self, kind: str, b: int, t: int, lowered=None):
         """The executable of one bucket, compiled (from ``lowered`` when given) on first use."""
         key = (kind, b, t)
         if key not in self._compiled:
@@ -423,13 +422,15 @@ class ModelRunner:
 
         Programs are traced one after another, then compiled by up to ``WARMUP_THREADS``
         threads at once (XLA compiles outside the GIL): the demo model's 15 programs take ~76 s on
-        2 CPU cores. Each decode bucket has one program per ``decode_programs``."""
+        2 CPU cores. Each decode bucket has one program per ``decode_programs`` and
+        ``decode_step_counts``."""
         report = []
         if self.has_slots:
             t0 = time.perf_counter()
             self.zero_slots([0])
             report.append(("zero_slots", self.cfg.max_num_seqs + 1, 1, time.perf_counter() - t0))
-        shapes = ([(kind, b, 1) for b in self.buckets.decode for kind in self.decode_programs]
+        shapes = ([(kind, b, n) for b in self.buckets.decode for kind in self.decode_programs
+                   for n in self.decode_step_counts]
                   + [("prefill", b, t) for b, t in self.buckets.prefill])
         lowered = [self._lower(*shape) for shape in shapes]
 
@@ -536,7 +537,9 @@ class ModelRunner:
         sa = SamplingArrays.from_params([r.params for r in rows] + [None] * (b - len(rows)),
                                         [r.seed for r in rows] + [0] * (b - len(rows)), b)
         greedy = "decode_greedy" in self.decode_programs and greedy_batch([r.params for r in rows])
-        fn = self._compile("decode_greedy" if greedy else "decode", b)
+        need = max(r.budget for r in rows)
+        steps = next((n for n in self.decode_step_counts if n >= need), self.decode_step_counts[-1])
+        fn = self._compile("decode_greedy" if greedy else "decode", b, steps)
         args = (tokens, positions, self._page_table([r.pages for r in rows], b), self._slots(rows, b), active,
                 budget, stop, sa, tidx)
         h1 = time.perf_counter()

@@ -28,7 +28,7 @@ def runner(**kw):
 
 def program(r) -> str:
     """The compiled decode step's HLO without source locations (they name the caller's lines)."""
-    text = r._compile("decode", 1).as_text()
+    text = r._compile("decode", 1, ECFG.decode_steps).as_text()
     return re.sub(r", metadata=\{[^}]*\}", "", text.split("\n\nFileNames")[0])
 
 
@@ -51,8 +51,7 @@ def test_compile_only_runner_allocates_nothing_and_compiles_the_same_step():
 
 def test_greedy_program_decodes_what_the_general_one_does():
     """Off by default on the CPU; forced on, a greedy batch runs the branch-free program and gets
-    the general program's tokens and logprobs (6 steps: one chunk of 4 and one with 2 masked
-    steps; rows with budgets 6 and 3)."""
+    the general program's tokens and logprobs (6 steps; rows with budgets 6 and 3)."""
     ecfg = dataclasses.replace(ECFG, decode_steps=6)
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     outs = {}
@@ -63,8 +62,33 @@ def test_greedy_program_decodes_what_the_general_one_does():
         rows = [DecodeRow(token=5 + i, position=0, pages=[1 + i], slot=0, budget=budget, stop_ids=[], params=greedy,
                           seed=0, token_index=0) for i, budget in enumerate((6, 3))]
         outs[mode] = r.decode(rows)
-        assert list(r._compiled) == [("decode_greedy" if mode == "on" else "decode", 2, 1)]
+        assert list(r._compiled) == [("decode_greedy" if mode == "on" else "decode", 2, 6)]
     assert [len(o.tokens) for o in outs["on"]] == [6, 3]
     assert [o.tokens for o in outs["on"]] == [o.tokens for o in outs["off"]]
     for a, b in zip(outs["on"], outs["off"]):
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-6)
+
+
+def test_tail_program_decodes_what_the_full_one_does():
+    """Off by default on the CPU; forced on, a call whose rows all have at most 4 tokens left runs
+    the 4-step program and gets the tokens and logprobs the 6-step one gives; a call with more
+    left runs the 6-step one."""
+    ecfg = dataclasses.replace(ECFG, decode_steps=6)
+    sampled = SamplingParams(max_tokens=8, temperature=0.8, top_k=5)
+    outs = {}
+    for mode in ("off", "on"):
+        r = ModelRunner(Qwen3ForCausalLM, CFG, None, jnp.float32, dataclasses.replace(ecfg, decode_tail_program=mode),
+                        make_mesh(1), progress=False, random_weights_seed=0)
+        assert r.decode_step_counts == ((6,) if mode == "off" else (4, 6))
+        rows = [DecodeRow(token=5 + i, position=0, pages=[1 + i], slot=0, budget=budget, stop_ids=[],
+                          params=sampled, seed=3, token_index=0) for i, budget in enumerate((4, 2))]
+        outs[mode] = r.decode(rows)
+        assert list(r._compiled) == [("decode", 2, 4 if mode == "on" else 6)]
+    assert [len(o.tokens) for o in outs["on"]] == [4, 2]
+    assert [o.tokens for o in outs["on"]] == [o.tokens for o in outs["off"]]
+    for a, b in zip(outs["on"], outs["off"]):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-6)
+    row = DecodeRow(token=5, position=4, pages=[1], slot=0, budget=5, stop_ids=[], params=sampled, seed=3,
+                    token_index=4)
+    assert len(r.decode([row])[0].tokens) == 5
+    assert ("decode", 1, 6) in r._compiled
