@@ -39,6 +39,7 @@ from kk_jax.checkpoint.loader import (Stack, TensorSpec, abstract_params, expect
                                       tensor_spec)
 from kk_jax.config import ConfigError, EngineConfig
 from kk_jax.engine.request import MAX_LOGPROBS
+from kk_jax.engine.row_inputs import RowLayout
 from kk_jax.engine.sampler import SamplingArrays, greedy_batch, sample
 from kk_jax.models.attention.paged import AttentionBatch
 from kk_jax.models.layers.linear import prepare_linears
@@ -216,6 +217,28 @@ def check_fp8_activations(model_dir: Path | None) -> None:
                           f"(quantization_config.quant_method 'fp8' with weight_block_size); got {what}")
 
 
+@functools.cache
+def row_layout(kind: str, t: int, max_pages: int) -> RowLayout:
+    """Per-row inputs of a step program: a prefill chunk of ``t`` tokens or a decode call (any
+    ``t``), with the page table of ``max_pages`` entries and the ``SamplingArrays`` fields."""
+    i32 = np.int32
+    if kind == "prefill":
+        head = (("tokens", (t,), i32), ("positions", (t,), i32), ("valid", (t,), np.bool_),
+                ("page_table", (max_pages,), i32), ("kv_lens", (), i32), ("slots", (), i32), ("last_idx", (), i32))
+    else:
+        head = (("tokens", (), i32), ("positions", (), i32), ("page_table", (max_pages,), i32), ("slots", (), i32),
+                ("active", (), np.bool_), ("budget", (), i32), ("stop_ids", (MAX_STOP_IDS,), i32))
+    sa = SamplingArrays.from_params([None], [0], 1)
+    sampling = tuple((f.name, (), getattr(sa, f.name).dtype.type) for f in dataclasses.fields(sa))
+    return RowLayout(head + sampling + (("token_index", (), i32),))
+
+
+def unpack_rows(layout: RowLayout, packed: jax.Array) -> tuple[dict[str, jax.Array], SamplingArrays]:
+    """Inside a step: the packed inputs by name, and the sampling fields as ``SamplingArrays``."""
+    x = layout.unpack(packed)
+    return x, SamplingArrays(**{f.name: x[f.name] for f in dataclasses.fields(SamplingArrays)})
+
+
 class ModelRunner:
     def __init__(self, model_cls, model_cfg, model_dir: Path | None, dtype, cfg: EngineConfig, mesh: Mesh,
                  progress: bool = True, random_weights_seed: int | None = None, compile_only: bool = False):
@@ -331,21 +354,22 @@ class ModelRunner:
     def _model(self, weights):
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, list(weights)))
 
-    def _prefill_fn(self, weights, pools, tokens, positions, valid, page_table, kv_lens, slots, last_idx, sa,
-                    token_index):
+    def _prefill_fn(self, layout, weights, pools, packed):
+        x, sa = unpack_rows(layout, packed)
         model = self._model(weights)
-        batch = AttentionBatch(positions, valid, page_table, kv_lens, slots)
-        h, pools = model(tokens, batch, pools, self.ops)
-        h_last = jnp.take_along_axis(h, last_idx[:, None, None], axis=1)[:, 0]       # [B, hidden]
-        return pools, sample(model.logits(h_last), sa, token_index)
+        batch = AttentionBatch(x["positions"], x["valid"], x["page_table"], x["kv_lens"], x["slots"])
+        h, pools = model(x["tokens"], batch, pools, self.ops)
+        h_last = jnp.take_along_axis(h, x["last_idx"][:, None, None], axis=1)[:, 0]       # [B, hidden]
+        return pools, sample(model.logits(h_last), sa, x["token_index"])
 
-    def _decode_fn(self, greedy, n_steps, weights, pools, tokens, positions, page_table, slots, active, budget,
-                   stop_ids, sa, token_index):
+    def _decode_fn(self, greedy, n_steps, layout, weights, pools, packed):
         """``n_steps`` (static) steps in one loop of known trip count, which XLA runs without
         consulting the host; a row stops at a stop id or after ``budget`` tokens and its later
         steps are masked. ``greedy`` (static): the batch's rows all take the argmax."""
+        x, sa = unpack_rows(layout, packed)
+        page_table, slots, budget, stop_ids = x["page_table"], x["slots"], x["budget"], x["stop_ids"]
         model = self._model(weights)
-        b = tokens.shape[0]
+        b = packed.shape[0]
         k = min(MAX_LOGPROBS, self.model_cfg.vocab_size)
         outs = (jnp.zeros((n_steps, b), jnp.int32), jnp.zeros((n_steps, b), jnp.float32),
                 jnp.zeros((n_steps, b, k), jnp.int32), jnp.zeros((n_steps, b, k), jnp.float32))
@@ -356,7 +380,7 @@ class ModelRunner:
                                    jnp.where(active, positions + 1, 0), slots)
             h, pools = model(tokens[:, None], batch, pools, self.ops)
             nxt, lp, top_ids, top_lp = sample(model.logits(h[:, 0]), sa, token_index, greedy=greedy)
-            outs = tuple(o.at[i].set(x) for o, x in zip(outs, (nxt, lp, top_ids, top_lp)))
+            outs = tuple(o.at[i].set(v) for o, v in zip(outs, (nxt, lp, top_ids, top_lp)))
             n_gen = n_gen + active
             stopped = jnp.any(nxt[:, None] == stop_ids, axis=-1)
             inc = active.astype(jnp.int32)
@@ -364,33 +388,25 @@ class ModelRunner:
             return (pools, jnp.where(active, nxt, tokens), positions + inc, new_active, token_index + inc, n_gen,
                     outs)
 
-        init = (pools, tokens, positions, active & (budget > 0), token_index, jnp.zeros((b,), jnp.int32), outs)
+        init = (pools, x["tokens"], x["positions"], x["active"] & (budget > 0), x["token_index"],
+                jnp.zeros((b,), jnp.int32), outs)
         pools, _, _, _, _, n_gen, outs = jax.lax.fori_loop(0, n_steps, step, init)
         return pools, (n_gen, outs)
 
     # ---------------------------------------------------------------- compilation
     def _abstract_inputs(self, kind: str, b: int, t: int):
-        rep = NamedSharding(self.mesh, P())
-        sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
-        mp = self.max_pages_per_seq
-        sa = SamplingArrays(sds((b,), jnp.float32), sds((b,), jnp.int32), sds((b,), jnp.float32),
-                            sds((b,), jnp.float32), sds((b,), jnp.uint32), sds((b,), jnp.int32))
         weights = tuple(jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=w.sharding) for w in self.weights)
         pools = {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for n, a in self.pools.items()}
-        if kind == "prefill":
-            return (weights, pools, sds((b, t), jnp.int32), sds((b, t), jnp.int32), sds((b, t), jnp.bool_),
-                    sds((b, mp), jnp.int32), sds((b,), jnp.int32), sds((b,), jnp.int32), sds((b,), jnp.int32), sa,
-                    sds((b,), jnp.int32))
-        return (weights, pools, sds((b,), jnp.int32), sds((b,), jnp.int32), sds((b, mp), jnp.int32),
-                sds((b,), jnp.int32), sds((b,), jnp.bool_), sds((b,), jnp.int32), sds((b, MAX_STOP_IDS), jnp.int32), sa,
-                sds((b,), jnp.int32))
+        width = row_layout(kind, t, self.max_pages_per_seq).width
+        return weights, pools, jax.ShapeDtypeStruct((b, width), jnp.int32, sharding=NamedSharding(self.mesh, P()))
 
     def _lower(self, kind: str, b: int, t: int):
         """``t``: tokens per row of a prefill program, steps of a decode one. The sampled outputs
         land in pinned host memory: the program copies them out on its stream, sparing a
         separate device->host transfer and its wait (~0.4 ms a call on the H200)."""
-        fn = (self._prefill_fn if kind == "prefill" else
-              functools.partial(self._decode_fn, kind == "decode_greedy", t))
+        layout = row_layout(kind, t, self.max_pages_per_seq)
+        fn = (functools.partial(self._prefill_fn, layout) if kind == "prefill" else
+              functools.partial(self._decode_fn, kind == "decode_greedy", t, layout))
         host = NamedSharding(self.mesh, P(), memory_kind="pinned_host")
         jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=(self.pool_shardings, host))
         return jitted.lower(*self._abstract_inputs(kind, b, t))
@@ -452,6 +468,13 @@ class ModelRunner:
         return table
 
     @staticmethod
+    def _sampling(rows, b: int) -> dict[str, np.ndarray]:
+        """The rows' sampling parameters by ``SamplingArrays`` field; padded rows are greedy."""
+        sa = SamplingArrays.from_params([r.params for r in rows] + [None] * (b - len(rows)),
+                                        [r.seed for r in rows] + [0] * (b - len(rows)), b)
+        return {f.name: getattr(sa, f.name) for f in dataclasses.fields(sa)}
+
+    @staticmethod
     def _slots(rows, b: int) -> np.ndarray:
         slots = np.zeros((b,), np.int32)
         slots[: len(rows)] = [r.slot for r in rows]
@@ -506,13 +529,13 @@ class ModelRunner:
             kv_lens[i] = r.start + n
             last[i] = n - 1
             tidx[i] = r.token_index
-        sa = SamplingArrays.from_params([r.params for r in rows] + [None] * (b - len(rows)),
-                                        [r.seed for r in rows] + [0] * (b - len(rows)), b)
         fn = self._compile("prefill", b, t)
-        args = (tokens, positions, valid, self._page_table([r.pages for r in rows], b), kv_lens,
-                self._slots(rows, b), last, sa, tidx)
+        packed = row_layout("prefill", t, self.max_pages_per_seq).pack(b, dict(
+            tokens=tokens, positions=positions, valid=valid, page_table=self._page_table([r.pages for r in rows], b),
+            kv_lens=kv_lens, slots=self._slots(rows, b), last_idx=last, token_index=tidx,
+            **self._sampling(rows, b)))
         h1 = time.perf_counter()
-        self.pools, out = fn(self.weights, self.pools, *args)
+        self.pools, out = fn(self.weights, self.pools, packed)
         nxt, lp, top_ids, top_lp = jax.device_get(out)
         h2 = time.perf_counter()
         res = [Sampled([int(nxt[i])], [float(lp[i])], [top_ids[i].tolist()], [top_lp[i].tolist()])
@@ -534,16 +557,16 @@ class ModelRunner:
         for i, r in enumerate(rows):
             tokens[i], positions[i], active[i], budget[i], tidx[i] = r.token, r.position, True, r.budget, r.token_index
             stop[i, : len(r.stop_ids)] = r.stop_ids
-        sa = SamplingArrays.from_params([r.params for r in rows] + [None] * (b - len(rows)),
-                                        [r.seed for r in rows] + [0] * (b - len(rows)), b)
         greedy = "decode_greedy" in self.decode_programs and greedy_batch([r.params for r in rows])
         need = max(r.budget for r in rows)
         steps = next((n for n in self.decode_step_counts if n >= need), self.decode_step_counts[-1])
         fn = self._compile("decode_greedy" if greedy else "decode", b, steps)
-        args = (tokens, positions, self._page_table([r.pages for r in rows], b), self._slots(rows, b), active,
-                budget, stop, sa, tidx)
+        packed = row_layout("decode", steps, self.max_pages_per_seq).pack(b, dict(
+            tokens=tokens, positions=positions, page_table=self._page_table([r.pages for r in rows], b),
+            slots=self._slots(rows, b), active=active, budget=budget, stop_ids=stop, token_index=tidx,
+            **self._sampling(rows, b)))
         h1 = time.perf_counter()
-        self.pools, out = fn(self.weights, self.pools, *args)
+        self.pools, out = fn(self.weights, self.pools, packed)
         n_gen, (toks, lps, top_ids, top_lps) = jax.device_get(out)
         h2 = time.perf_counter()
         res = []
