@@ -10,7 +10,8 @@ compiled steps (DESIGN rules 2-4):
   is the same loop for batches whose rows all take the argmax (no sampler branches). Each
   decode kind may also have a ``TAIL_DECODE_STEPS``-step program for the last tokens of rows.
 
-Both take ``(weights, pools, batch)``, return ``(pools, outputs)`` and donate ``pools``.
+Both take ``(weights, pools, rows)`` (``rows``: the step's per-row inputs packed into one int32
+array by ``row_layout``), return ``(pools, outputs)`` and donate ``pools``.
 Weights are flattened once at load into a leaf tuple; the NNX module is re-assembled inside
 the trace, so no pytree walk of modules happens per call.
 """
