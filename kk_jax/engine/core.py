@@ -80,8 +80,11 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         """Validates and queues a request; raises RequestError without changing any state."""
-        if request_id in self._tracked:
-            raise RequestError(f"request id {request_id!r} is already in use", "request_id")
+        self.enqueue(self.prepare_request(request_id, prompt, params))
+
+    def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        """Validates a request and tokenizes its prompt without touching the engine's queues (a
+        caller on another thread may run it while a step is in flight); raises RequestError."""
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -103,9 +106,15 @@ class LLMEngine:
             raise RequestError(f"at most {MAX_STOP_IDS - len(self.eos_token_ids)} stop_token_ids are supported",
                                "stop_token_ids")
         seed = params.seed if params.seed is not None else self._rng.randrange(1 << 32)
-        req = Request(request_id, ids, params, seed=seed, arrival=self._arrivals, prompt=text)
+        return Request(request_id, ids, params, seed=seed, arrival=-1, prompt=text)
+
+    def enqueue(self, req: Request) -> None:
+        """Queues a prepared request (the stepping thread); RequestError if its id is in use."""
+        if req.request_id in self._tracked:
+            raise RequestError(f"request id {req.request_id!r} is already in use", "request_id")
+        req.arrival = self._arrivals
         self._arrivals += 1
-        self._tracked[request_id] = _Tracked(req, self.tokenizer)
+        self._tracked[req.request_id] = _Tracked(req, self.tokenizer)
         self.scheduler.add(req)
 
     def check_token_ids(self, ids, param: str, what: str | None = None) -> None:

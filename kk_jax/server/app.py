@@ -455,7 +455,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(engine.call(lambda e: e.stats())), media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
 
     @app.post("/start_profile")
     async def start_profile():

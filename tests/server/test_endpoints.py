@@ -1,12 +1,17 @@
-"""Disconnects free pages; health, metrics, profiling, tokenize/detokenize, OpenAPI schema."""
+"""Disconnects free pages; health, metrics, profiling, tokenize/detokenize, OpenAPI schema; callers
+never wait for a device step."""
 
+import asyncio
 import json
 import socket
+import threading
 import time
 
 import httpx
 import pytest
 from conftest import wait_pages_free
+
+from kk_jax.engine.request import SamplingParams
 
 
 @pytest.fixture
@@ -93,3 +98,42 @@ def test_openapi_schema(live):
     schema = httpx.get(live.url + "/openapi.json").json()
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize"} <= set(schema["paths"])
     json.dumps(schema)
+
+
+def test_callers_never_wait_for_a_step_in_flight(live):
+    """While a device call runs (held here at 0.6 s), a submit, an abort and /metrics return at
+    once: requests wait in an inbox, not on the engine lock. Both requests still finish."""
+    runner = live.engine.engine.runner
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_decode(rows):
+        inside.set()
+        release.wait(0.6)
+        return type(runner).decode(runner, rows)
+
+    async def submit_and_abort():
+        t0 = time.perf_counter()
+        live.engine.submit("responsive-1", "hello there", SamplingParams(max_tokens=2))
+        live.engine.abort("responsive-1")
+        return time.perf_counter() - t0
+
+    runner.decode = slow_decode
+    try:
+        with httpx.Client(base_url=live.url, timeout=30) as c:
+            with c.stream("POST", "/v1/completions", json={"prompt": "Tell me", "max_tokens": 12,
+                                                            "stream": True, "ignore_eos": True}) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+                assert inside.wait(10)                       # a decode call is in flight
+                t0 = time.perf_counter()
+                assert "kk_jax:num_requests_running" in c.get("/metrics").text
+                metrics_s = time.perf_counter() - t0
+                submit_s = asyncio.run(submit_and_abort())
+                assert not release.is_set()
+                assert metrics_s < 0.3 and submit_s < 0.3, (metrics_s, submit_s)
+                release.set()
+                assert [line for line in lines if line][-1] == "data: [DONE]"
+    finally:
+        release.set()
+        del runner.decode
+    assert wait_pages_free(live.engine)
