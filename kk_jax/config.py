@@ -238,6 +238,8 @@ class EngineConfig:
     decode_tail_program: str = "auto"    # a second, 4-step decode program per batch bucket for calls whose
                                           # rows all have at most 4 tokens left (a decode program runs all its
                                           # steps, masked once its rows stop): auto (on a GPU) | on | off
+    pipeline_decode: bool = True          # dispatch the next decode call of an unchanged batch before
+                                          # reading this one's tokens (the host's work overlaps the device's)
     seed: int = 0
     compilation_cache_dir: str | None = None
     load_mtp: bool = False                # also load the model's MTP (NextN) block, for speculative decoding

@@ -19,8 +19,9 @@ from kk_jax.checkpoint.default import cache_root
 from kk_jax.config import EngineConfig, load_model_config, resolve_dtype
 from kk_jax.engine.request import (Request, RequestError, RequestOutput, SamplingParams, Status,
                                    TokenLogprob)
-from kk_jax.engine.runner import MAX_STOP_IDS, DecodeRow, ModelRunner, PrefillRow, Sampled, claim_device_memory
-from kk_jax.engine.scheduler import Scheduler
+from kk_jax.engine.runner import (MAX_STOP_IDS, DecodeRow, ModelRunner, PendingDecode, PrefillRow, Sampled,
+                                  claim_device_memory)
+from kk_jax.engine.scheduler import DecodeWork, Scheduler
 from kk_jax.models.registry import model_class
 from kk_jax.parallel.mesh import make_mesh
 from kk_jax.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -70,6 +71,8 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or self.model_config.eos_token_ids)
         self._rng = random.Random(config.seed)
         self._tracked: dict[str, _Tracked] = {}
+        self._ahead: tuple[PendingDecode, list[DecodeWork]] | None = None   # a decode call in flight
+        self._chain_broken = False
         self._arrivals = 0
         self.num_aborted = 0
         t0 = time.perf_counter()
@@ -154,25 +157,36 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         """Runs one device call; returns an output for every request that progressed or finished."""
-        sched = self.scheduler.schedule()
-        if self.slots is not None:
-            self.runner.zero_slots(self.slots.take_dirty())     # a reused slot starts from zero
         touched: list[_Tracked] = []
-        if sched.prefill:
-            rows = [PrefillRow(w.request.all_token_ids[w.start:w.start + w.length], w.start, w.request.pages,
-                               w.request.slot, w.request.params, w.request.seed, len(w.request.output_token_ids))
-                    for w in sched.prefill]
-            for w, res in zip(sched.prefill, self.runner.prefill(rows)):
-                req = w.request
-                req.num_computed = w.start + w.length
-                if req.num_computed == req.num_tokens:        # prompt complete: keep the sample
-                    touched.append(self._append(req, res))
-        elif sched.decode:
-            rows = [DecodeRow(w.request.all_token_ids[-1], w.request.num_tokens - 1, w.request.pages,
-                              w.request.slot, w.budget,
-                              self._stop_ids(w.request.params), w.request.params, w.request.seed,
-                              len(w.request.output_token_ids)) for w in sched.decode]
-            for w, res in zip(sched.decode, self.runner.decode(rows)):
+        if self._ahead is None:
+            sched = self.scheduler.schedule()
+            if self.slots is not None:
+                self.runner.zero_slots(self.slots.take_dirty())     # a reused slot starts from zero
+            if sched.prefill:
+                rows = [PrefillRow(w.request.all_token_ids[w.start:w.start + w.length], w.start, w.request.pages,
+                                   w.request.slot, w.request.params, w.request.seed, len(w.request.output_token_ids))
+                        for w in sched.prefill]
+                for w, res in zip(sched.prefill, self.runner.prefill(rows)):
+                    req = w.request
+                    req.num_computed = w.start + w.length
+                    if req.num_computed == req.num_tokens:        # prompt complete: keep the sample
+                        touched.append(self._append(req, res))
+            elif sched.decode:
+                rows = [DecodeRow(w.request.all_token_ids[-1], w.request.num_tokens - 1, w.request.pages,
+                                  w.request.slot, w.budget,
+                                  self._stop_ids(w.request.params), w.request.params, w.request.seed,
+                                  len(w.request.output_token_ids)) for w in sched.decode]
+                self._ahead = self.runner.decode_start(rows), sched.decode
+        if self._ahead is not None:
+            call, works = self._ahead
+            chain = self.config.pipeline_decode and not self._chain_broken
+            self._ahead, self._chain_broken = self._dispatch_next(call, works) if chain else None, False
+            for w, res in zip(works, call.result()):
+                if w.request.status == Status.FINISHED:         # stopped or aborted while the call ran
+                    continue
+                # the device stopped a row the host goes on with: the call ahead ran it masked, and
+                # the row continues from the host's state once that call is read
+                self._chain_broken |= len(res.tokens) < w.budget
                 w.request.num_computed += len(res.tokens)
                 touched.append(self._append(w.request, res))
         outs = []
@@ -182,6 +196,31 @@ class LLMEngine:
                 del self._tracked[tr.req.request_id]
             outs.append(self._output(tr))
         return outs
+
+    def _dispatch_next(self, call: PendingDecode, works: list[DecodeWork]):
+        """Dispatches the next decode call of ``works``' rows before ``call``'s tokens are read,
+        when the batch surely goes on unchanged: nothing waits to be admitted or prefilled and
+        every row has tokens left after its budget. Each row continues on the device from the
+        token ``call`` leaves it (a row that hit a stop id stays masked; one that a stop string
+        or an abort ends has its tokens dropped). Returns (call, works), or None."""
+        if not self.scheduler.only_decoding():
+            return None
+        nxt = []
+        for w in works:
+            req = w.request
+            n_tokens = req.num_tokens + w.budget             # once ``call`` has run its whole budget
+            budget = min(self.config.decode_steps, req.remaining_tokens - w.budget,
+                         self.config.max_model_len - n_tokens)
+            if req.status != Status.RUNNING or budget < 1:
+                return None
+            nxt.append(DecodeWork(req, budget))
+        if not self.scheduler.extend([(w.request, w.request.num_tokens + prev.budget - 1 + w.budget)
+                                      for w, prev in zip(nxt, works)]):
+            return None
+        rows = [DecodeRow(None, w.request.num_tokens + prev.budget - 1, w.request.pages, w.request.slot, w.budget,
+                          self._stop_ids(w.request.params), w.request.params, w.request.seed,
+                          len(w.request.output_token_ids) + prev.budget) for w, prev in zip(nxt, works)]
+        return self.runner.decode_start(rows, after=call), nxt
 
     def _append(self, req: Request, res: Sampled) -> _Tracked:
         tr = self._tracked[req.request_id]

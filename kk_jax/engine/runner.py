@@ -187,7 +187,8 @@ class PrefillRow:
 
 @dataclasses.dataclass
 class DecodeRow:
-    token: int                   # last token (its K/V not yet in the cache)
+    token: int | None            # last token (its K/V not yet in the cache); None: the last token the
+                                 # same row of the call this one follows sampled (``decode_start(after=)``)
     position: int
     pages: list[int]
     slot: int
@@ -206,6 +207,28 @@ class Sampled:
     logprobs: list[float]
     top_ids: list[list[int]]
     top_logprobs: list[list[float]]
+
+
+@dataclasses.dataclass
+class PendingDecode:
+    """A dispatched decode call: ``result()`` waits for its sampled tokens; ``carry`` (each row's
+    last token, and whether it may go on) stays on the device for a chained call."""
+    runner: "ModelRunner"
+    num_rows: int
+    batch: int                   # the batch bucket
+    out: object                  # (n_gen, (tokens, logprobs, top ids, top logprobs)), host memory
+    carry: tuple                 # ([B] int32 last tokens, [B] bool ran its budget without a stop id)
+    host_s: float                # host time spent packing its inputs
+    _result: list[Sampled] | None = None
+
+    def result(self) -> list[Sampled]:
+        if self._result is None:
+            n_gen, (toks, lps, top_ids, top_lps) = jax.device_get(self.out)
+            h = time.perf_counter()
+            self._result = [Sampled(toks[:n, i].tolist(), lps[:n, i].tolist(), top_ids[:n, i].tolist(),
+                                    top_lps[:n, i].tolist()) for i, n in enumerate(n_gen[:self.num_rows].tolist())]
+            self.runner._account(self.host_s + time.perf_counter() - h)
+        return self._result
 
 
 def check_fp8_activations(model_dir: Path | None) -> None:
@@ -227,8 +250,9 @@ def row_layout(kind: str, t: int, max_pages: int) -> RowLayout:
         head = (("tokens", (t,), i32), ("positions", (t,), i32), ("valid", (t,), np.bool_),
                 ("page_table", (max_pages,), i32), ("kv_lens", (), i32), ("slots", (), i32), ("last_idx", (), i32))
     else:
-        head = (("tokens", (), i32), ("positions", (), i32), ("page_table", (max_pages,), i32), ("slots", (), i32),
-                ("active", (), np.bool_), ("budget", (), i32), ("stop_ids", (MAX_STOP_IDS,), i32))
+        head = (("tokens", (), i32), ("chained", (), np.bool_), ("positions", (), i32),
+                ("page_table", (max_pages,), i32), ("slots", (), i32), ("active", (), np.bool_), ("budget", (), i32),
+                ("stop_ids", (MAX_STOP_IDS,), i32))
     sa = SamplingArrays.from_params([None], [0], 1)
     sampling = tuple((f.name, (), getattr(sa, f.name).dtype.type) for f in dataclasses.fields(sa))
     return RowLayout(head + sampling + (("token_index", (), i32),))
@@ -339,6 +363,7 @@ class ModelRunner:
         self._compile_lock = threading.Lock()
         self.host_seconds = 0.0      # host time spent packing inputs and unpacking outputs
         self.device_calls = 0
+        self._no_carry_cache: dict[int, tuple[jax.Array, jax.Array]] = {}
 
     # ---------------------------------------------------------------- memory
     def _pages_from_budget(self) -> int:
@@ -363,11 +388,17 @@ class ModelRunner:
         h_last = jnp.take_along_axis(h, x["last_idx"][:, None, None], axis=1)[:, 0]       # [B, hidden]
         return pools, sample(model.logits(h_last), sa, x["token_index"])
 
-    def _decode_fn(self, greedy, n_steps, layout, weights, pools, packed):
+    def _decode_fn(self, greedy, n_steps, layout, weights, pools, packed, prev_tokens, prev_alive):
         """``n_steps`` (static) steps in one loop of known trip count, which XLA runs without
         consulting the host; a row stops at a stop id or after ``budget`` tokens and its later
-        steps are masked. ``greedy`` (static): the batch's rows all take the argmax."""
+        steps are masked. ``greedy`` (static): the batch's rows all take the argmax.
+
+        A ``chained`` row continues the same row of the previous call on the device: its token is
+        ``prev_tokens`` and it runs only if ``prev_alive``. Returns, besides the pools and the
+        sampled outputs, each row's last token and whether it ran its whole budget without a
+        stop id (the next call's ``prev_tokens`` / ``prev_alive``)."""
         x, sa = unpack_rows(layout, packed)
+        chained = x["chained"]
         page_table, slots, budget, stop_ids = x["page_table"], x["slots"], x["budget"], x["stop_ids"]
         model = self._model(weights)
         b = packed.shape[0]
@@ -376,7 +407,7 @@ class ModelRunner:
                 jnp.zeros((n_steps, b, k), jnp.int32), jnp.zeros((n_steps, b, k), jnp.float32))
 
         def step(i, c):
-            pools, tokens, positions, active, token_index, n_gen, outs = c
+            pools, tokens, positions, active, token_index, n_gen, stopped_any, outs = c
             batch = AttentionBatch(positions[:, None], active[:, None], page_table,
                                    jnp.where(active, positions + 1, 0), slots)
             h, pools = model(tokens[:, None], batch, pools, self.ops)
@@ -387,19 +418,26 @@ class ModelRunner:
             inc = active.astype(jnp.int32)
             new_active = active & ~stopped & (n_gen < budget)
             return (pools, jnp.where(active, nxt, tokens), positions + inc, new_active, token_index + inc, n_gen,
-                    outs)
+                    stopped_any | (active & stopped), outs)
 
-        init = (pools, x["tokens"], x["positions"], x["active"] & (budget > 0), x["token_index"],
-                jnp.zeros((b,), jnp.int32), outs)
-        pools, _, _, _, _, n_gen, outs = jax.lax.fori_loop(0, n_steps, step, init)
-        return pools, (n_gen, outs)
+        tokens = jnp.where(chained, prev_tokens, x["tokens"])
+        active = x["active"] & (budget > 0) & (~chained | prev_alive)
+        init = (pools, tokens, x["positions"], active, x["token_index"], jnp.zeros((b,), jnp.int32),
+                jnp.zeros((b,), jnp.bool_), outs)
+        pools, last, _, _, _, n_gen, stopped_any, outs = jax.lax.fori_loop(0, n_steps, step, init)
+        return pools, (n_gen, outs), (last, active & ~stopped_any & (n_gen == budget))
 
     # ---------------------------------------------------------------- compilation
     def _abstract_inputs(self, kind: str, b: int, t: int):
         weights = tuple(jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=w.sharding) for w in self.weights)
         pools = {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for n, a in self.pools.items()}
         width = row_layout(kind, t, self.max_pages_per_seq).width
-        return weights, pools, jax.ShapeDtypeStruct((b, width), jnp.int32, sharding=NamedSharding(self.mesh, P()))
+        rep = NamedSharding(self.mesh, P())
+        packed = jax.ShapeDtypeStruct((b, width), jnp.int32, sharding=rep)
+        if kind == "prefill":
+            return weights, pools, packed
+        return (weights, pools, packed, jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rep),
+                jax.ShapeDtypeStruct((b,), jnp.bool_, sharding=rep))
 
     def _lower(self, kind: str, b: int, t: int):
         """``t``: tokens per row of a prefill program, steps of a decode one. The sampled outputs
@@ -409,7 +447,8 @@ class ModelRunner:
         fn = (functools.partial(self._prefill_fn, layout) if kind == "prefill" else
               functools.partial(self._decode_fn, kind == "decode_greedy", t, layout))
         host = NamedSharding(self.mesh, P(), memory_kind="pinned_host")
-        jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=(self.pool_shardings, host))
+        carry = () if kind == "prefill" else (NamedSharding(self.mesh, P()),)   # chained calls' inputs
+        jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=(self.pool_shardings, host, *carry))
         return jitted.lower(*self._abstract_inputs(kind, b, t))
 
     def _compile(self, kind: str, b: int, t: int, lowered=None):
@@ -546,9 +585,20 @@ class ModelRunner:
 
     def decode(self, rows: list[DecodeRow]) -> list[Sampled]:
         """Runs up to ``decode_steps`` tokens per row in one device call."""
+        return self.decode_start(rows).result()
+
+    def decode_start(self, rows: list[DecodeRow], after: PendingDecode | None = None) -> PendingDecode:
+        """Dispatches a decode call without waiting for it. With ``after`` (a call still in flight
+        or done, of the same batch bucket), a row whose ``token`` is None continues row i of
+        ``after`` on the device: it takes the last token that row sampled and runs only if that
+        row ran its whole budget without a stop id; the caller gives it the position, token index
+        and pages that follow from that budget."""
         self.validate(rows)
         h0 = time.perf_counter()
         b = self.buckets.decode_batch(len(rows))
+        chained = np.array([r.token is None for r in rows] + [False] * (b - len(rows)))
+        if chained.any() and (after is None or after.batch != b or len(rows) > after.num_rows):
+            raise StepError("a row without a token continues a row of `after`, a call of the same batch bucket")
         tokens = np.zeros((b,), np.int32)
         positions = np.zeros((b,), np.int32)
         active = np.zeros((b,), bool)
@@ -556,27 +606,29 @@ class ModelRunner:
         stop = np.full((b, MAX_STOP_IDS), -1, np.int32)
         tidx = np.zeros((b,), np.int32)
         for i, r in enumerate(rows):
-            tokens[i], positions[i], active[i], budget[i], tidx[i] = r.token, r.position, True, r.budget, r.token_index
+            tokens[i], positions[i], active[i], budget[i], tidx[i] = r.token or 0, r.position, True, r.budget, \
+                r.token_index
             stop[i, : len(r.stop_ids)] = r.stop_ids
         greedy = "decode_greedy" in self.decode_programs and greedy_batch([r.params for r in rows])
         need = max(r.budget for r in rows)
         steps = next((n for n in self.decode_step_counts if n >= need), self.decode_step_counts[-1])
         fn = self._compile("decode_greedy" if greedy else "decode", b, steps)
         packed = row_layout("decode", steps, self.max_pages_per_seq).pack(b, dict(
-            tokens=tokens, positions=positions, page_table=self._page_table([r.pages for r in rows], b),
-            slots=self._slots(rows, b), active=active, budget=budget, stop_ids=stop, token_index=tidx,
-            **self._sampling(rows, b)))
+            tokens=tokens, chained=chained, positions=positions,
+            page_table=self._page_table([r.pages for r in rows], b), slots=self._slots(rows, b), active=active,
+            budget=budget, stop_ids=stop, token_index=tidx, **self._sampling(rows, b)))
+        prev = after.carry if after is not None and after.batch == b else self._no_carry(b)
         h1 = time.perf_counter()
-        self.pools, out = fn(self.weights, self.pools, packed)
-        n_gen, (toks, lps, top_ids, top_lps) = jax.device_get(out)
-        h2 = time.perf_counter()
-        res = []
-        for i in range(len(rows)):
-            n = int(n_gen[i])
-            res.append(Sampled(toks[:n, i].tolist(), lps[:n, i].tolist(), top_ids[:n, i].tolist(),
-                               top_lps[:n, i].tolist()))
-        self._account(h1 - h0 + time.perf_counter() - h2)
-        return res
+        self.pools, out, carry = fn(self.weights, self.pools, packed, *prev)
+        return PendingDecode(self, len(rows), b, out, carry, h1 - h0)
+
+    def _no_carry(self, b: int) -> tuple[jax.Array, jax.Array]:
+        """The ``prev_tokens`` / ``prev_alive`` of a call that follows none (kept on the device)."""
+        if b not in self._no_carry_cache:
+            rep = NamedSharding(self.mesh, P())
+            self._no_carry_cache[b] = (jax.device_put(np.zeros((b,), np.int32), rep),
+                                       jax.device_put(np.zeros((b,), bool), rep))
+        return self._no_carry_cache[b]
 
     def _account(self, host_s: float) -> None:
         self.host_seconds += host_s

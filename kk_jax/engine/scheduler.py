@@ -95,6 +95,23 @@ class Scheduler:
             req.pages += self.pages.allocate(need)
         return True
 
+    def extend(self, wants: list[tuple[Request, int]]) -> bool:
+        """Pages so that each request holds ``num_tokens`` positions, for all or none of them and
+        without preempting anyone (a decode call dispatched ahead)."""
+        need = [self._pages_for(req, n) for req, n in wants]
+        if sum(need) > self.pages.num_free:
+            return False
+        for (req, _), k in zip(wants, need):
+            if k:
+                req.pages += self.pages.allocate(k)
+        return True
+
+    def only_decoding(self) -> bool:
+        """Whether the next schedule would be a decode of every running request: none is still
+        prefilling and no waiting one could be admitted."""
+        return (all(r.num_computed == r.num_tokens - 1 for r in self.running)
+                and not (self.waiting and len(self.running) < self.max_num_seqs))
+
     def _preempt(self, req: Request, sched: Schedule) -> None:
         self.running.remove(req)
         self._release(req)

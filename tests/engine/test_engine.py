@@ -1,5 +1,6 @@
 """Engine behaviour: compile-once, donation, preemption, batch invariance, stops, aborts, errors."""
 
+import dataclasses
 import os
 import random
 
@@ -185,3 +186,96 @@ def test_kernel_backend_follows_what_the_kernels_take(tiny_ckpt, llm):
     assert llm.engine.runner.backend == "xla"
     with pytest.raises(ConfigError, match=r"kernel_backend 'pallas': .* head_dim 16 .* \(use auto or xla\)"):
         LLM(tiny_ckpt, kernel_backend="pallas", **LIMITS)
+
+
+def mixed_requests(vocab: int, seed: int):
+    """Greedy and seeded sampled requests with stop ids, stop strings, logprobs and lengths
+    from 1 to 40 tokens."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 40))] for _ in range(12)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0.0, 0.8]), top_k=rng.choice([-1, 5]),
+                             seed=i, logprobs=rng.choice([None, 2]), stop_token_ids=rng.choice([[], [7, 11]]),
+                             stop=rng.choice([[], ["e", "a "]]), ignore_eos=True) for i in range(12)]
+    return prompts, params
+
+
+def test_pipelined_decode_gives_what_one_call_at_a_time_gives(llm):
+    """With the next decode call dispatched before the current one's tokens are read, every
+    request gets the tokens, text and finish reason it gets with one call at a time (logprobs
+    to float32 rounding: the calls' batch buckets differ), the chained calls really ran, and
+    every page comes back."""
+    engine = llm.engine
+    chained = []
+    start = engine.runner.decode_start
+    engine.runner.decode_start = lambda rows, after=None: (chained.append(after is not None), start(rows, after))[1]
+    prompts, params = mixed_requests(engine.model_config.vocab_size, seed=11)
+    runs = {}
+    try:
+        for pipeline in (False, True):
+            engine.config = dataclasses.replace(engine.config, pipeline_decode=pipeline)
+            chained.clear()
+            runs[pipeline] = llm.generate(prompts, params)
+            assert any(chained) == pipeline
+    finally:
+        del engine.runner.decode_start
+        engine.config = dataclasses.replace(engine.config, pipeline_decode=True)
+    for a, b in zip(runs[True], runs[False]):
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+        assert [lp.token_id for lp in a.logprobs or []] == [lp.token_id for lp in b.logprobs or []]
+        assert [lp.logprob for lp in a.logprobs or []] == pytest.approx([lp.logprob for lp in b.logprobs or []],
+                                                                        rel=1e-5, abs=1e-6)
+    assert {o.finish_reason for o in runs[True]} >= {"stop", "length"}
+    engine.step()                                    # reads a call still ahead, if any
+    assert engine.pages.num_free == engine.pages.capacity
+
+
+def test_abort_while_a_call_is_ahead(llm):
+    """An aborted request's row in the call dispatched ahead is dropped; the others go on and
+    match a run without the abort."""
+    engine = llm.engine
+    p = SamplingParams(max_tokens=30, **GREEDY)
+    alone = llm.generate([[3, 4, 5]], p)[0].token_ids
+    engine.add_request("ahead-0", [3, 4, 5], p)
+    engine.add_request("ahead-1", [8, 9], p)
+    while engine._ahead is None:
+        engine.step()
+    out = engine.abort("ahead-1")
+    assert out.finish_reason == "abort"
+    final = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            final[o.request_id] = o
+    assert set(final) == {"ahead-0"} and final["ahead-0"].token_ids == alone
+    engine.step()
+    assert engine.pages.num_free == engine.pages.capacity
+
+
+def test_a_row_the_device_stops_and_the_host_does_not_goes_on(llm):
+    """If the host goes on with a row the device stopped (its stop id hidden from the host
+    here), the call dispatched ahead ran that row masked; the engine reads it, stops chaining
+    and decodes the row from the host's state, so the request still ends by length."""
+    engine = llm.engine
+    base = llm.generate([5, 6, 7], SamplingParams(max_tokens=20, **GREEDY))[0].token_ids
+    stop = base[9]
+    start = engine.runner.decode_start
+
+    def hide_stop(rows, after=None):
+        call = start(rows, after)
+        result = call.result
+        call.result = lambda: [dataclasses.replace(s, tokens=[t if t != stop else stop + 1 for t in s.tokens])
+                               for s in result()]
+        return call
+
+    engine.runner.decode_start = hide_stop
+    try:
+        engine.add_request("hidden-stop", [5, 6, 7], SamplingParams(max_tokens=20, stop_token_ids=[stop], **GREEDY))
+        outs = []
+        for _ in range(40):
+            outs += engine.step()
+            if not engine.has_unfinished():
+                break
+    finally:
+        del engine.runner.decode_start
+    assert outs[-1].finished and outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 20
+    engine.step()
+    assert engine.pages.num_free == engine.pages.capacity

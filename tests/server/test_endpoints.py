@@ -106,10 +106,16 @@ def test_callers_never_wait_for_a_step_in_flight(live):
     runner = live.engine.engine.runner
     inside, release = threading.Event(), threading.Event()
 
-    def slow_decode(rows):
-        inside.set()
-        release.wait(0.6)
-        return type(runner).decode(runner, rows)
+    def slow_start(rows, after=None):
+        call = type(runner).decode_start(runner, rows, after)
+        result = call.result
+
+        def slow_result():
+            inside.set()
+            release.wait(0.6)
+            return result()
+        call.result = slow_result
+        return call
 
     async def submit_and_abort():
         t0 = time.perf_counter()
@@ -117,7 +123,7 @@ def test_callers_never_wait_for_a_step_in_flight(live):
         live.engine.abort("responsive-1")
         return time.perf_counter() - t0
 
-    runner.decode = slow_decode
+    runner.decode_start = slow_start
     try:
         with httpx.Client(base_url=live.url, timeout=30) as c:
             with c.stream("POST", "/v1/completions", json={"prompt": "Tell me", "max_tokens": 12,
@@ -135,5 +141,5 @@ def test_callers_never_wait_for_a_step_in_flight(live):
                 assert [line for line in lines if line][-1] == "data: [DONE]"
     finally:
         release.set()
-        del runner.decode
+        del runner.decode_start
     assert wait_pages_free(live.engine)

@@ -1,7 +1,7 @@
 """Test-only steering of a live server's model output (used by the tools API tests).
 
-:class:`Script` wraps the server's ``ModelRunner.prefill`` / ``ModelRunner.decode``: the model
-runs as usual, then the sampled tokens of requests whose sampling ``seed`` has a registered
+:class:`Script` wraps the server's ``ModelRunner.prefill`` / ``ModelRunner.decode_start``: the
+model runs as usual, then the sampled tokens of requests whose sampling ``seed`` has a registered
 script are replaced by the script's tokens (the text encoded by the checkpoint's tokenizer,
 then an end token). Requests with other seeds are untouched. Nothing outside tests changes.
 """
@@ -13,9 +13,15 @@ class Script:
     def __init__(self, engine):
         self.tok, self.runner, self.eos = engine.tokenizer, engine.runner, engine.eos_token_ids[0]
         self.scripts: dict[int, list[int]] = {}
-        prefill, decode = self.runner.prefill, self.runner.decode
+        prefill, start = self.runner.prefill, self.runner.decode_start
         self.runner.prefill = lambda rows: self._apply(rows, prefill(rows))
-        self.runner.decode = lambda rows: self._apply(rows, decode(rows))
+
+        def decode_start(rows, after=None):
+            call = start(rows, after)
+            result = call.result
+            call.result = lambda: self._apply(rows, result())
+            return call
+        self.runner.decode_start = decode_start
 
     def set(self, seed: int, text: str, end: int | None = None) -> int:
         """Requests with this seed generate ``text`` and then ``end`` (default: the first EOS id)."""
@@ -34,4 +40,4 @@ class Script:
         return results
 
     def remove(self):
-        del self.runner.prefill, self.runner.decode
+        del self.runner.prefill, self.runner.decode_start
