@@ -205,7 +205,7 @@ class LLMEngine:
         or an abort ends has its tokens dropped). Returns (call, works), or None."""
         if not self.scheduler.only_decoding():
             return None
-        nxt = []
+        nxt, first = [], []          # the next call's works, and the position each row starts at
         for w in works:
             req = w.request
             n_tokens = req.num_tokens + w.budget             # once ``call`` has run its whole budget
@@ -214,12 +214,12 @@ class LLMEngine:
             if req.status != Status.RUNNING or budget < 1:
                 return None
             nxt.append(DecodeWork(req, budget))
-        if not self.scheduler.extend([(w.request, w.request.num_tokens + prev.budget - 1 + w.budget)
-                                      for w, prev in zip(nxt, works)]):
+            first.append(n_tokens - 1)
+        if not self.scheduler.extend([(w.request, pos + w.budget) for w, pos in zip(nxt, first)]):
             return None
-        rows = [DecodeRow(None, w.request.num_tokens + prev.budget - 1, w.request.pages, w.request.slot, w.budget,
-                          self._stop_ids(w.request.params), w.request.params, w.request.seed,
-                          len(w.request.output_token_ids) + prev.budget) for w, prev in zip(nxt, works)]
+        rows = [DecodeRow(None, pos, w.request.pages, w.request.slot, w.budget, self._stop_ids(w.request.params),
+                          w.request.params, w.request.seed, len(w.request.output_token_ids) + prev.budget)
+                for w, pos, prev in zip(nxt, first, works)]
         return self.runner.decode_start(rows, after=call), nxt
 
     def _append(self, req: Request, res: Sampled) -> _Tracked:
