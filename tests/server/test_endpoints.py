@@ -101,7 +101,7 @@ def test_openapi_schema(live):
 
 
 def test_callers_never_wait_for_a_step_in_flight(live):
-    """While a device call runs (held here at 0.6 s), a submit, an abort and /metrics return at
+    """While a device call runs (held here for 1.5 s), a submit, an abort and /metrics return at
     once: requests wait in an inbox, not on the engine lock. Both requests still finish."""
     runner = live.engine.engine.runner
     inside, release = threading.Event(), threading.Event()
@@ -112,7 +112,7 @@ def test_callers_never_wait_for_a_step_in_flight(live):
 
         def slow_result():
             inside.set()
-            release.wait(0.6)
+            release.wait(1.5)
             return result()
         call.result = slow_result
         return call
@@ -136,7 +136,7 @@ def test_callers_never_wait_for_a_step_in_flight(live):
                 metrics_s = time.perf_counter() - t0
                 submit_s = asyncio.run(submit_and_abort())
                 assert not release.is_set()
-                assert metrics_s < 0.3 and submit_s < 0.3, (metrics_s, submit_s)
+                assert metrics_s < 0.5 and submit_s < 0.5, (metrics_s, submit_s)
                 release.set()
                 assert [line for line in lines if line][-1] == "data: [DONE]"
     finally:
