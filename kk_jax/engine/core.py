@@ -158,7 +158,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one device call; returns an output for every request that progressed or finished."""
         touched: list[_Tracked] = []
+        if self._ahead is not None and all(w.request.status == Status.FINISHED for w in self._ahead[1]):
+            self._ahead[0].result()             # every row ended while the call ran: read it, schedule anew
+            self._ahead = None
         if self._ahead is None:
+            self._chain_broken = False
             sched = self.scheduler.schedule()
             if self.slots is not None:
                 self.runner.zero_slots(self.slots.take_dirty())     # a reused slot starts from zero
@@ -184,11 +188,11 @@ class LLMEngine:
             for w, res in zip(works, call.result()):
                 if w.request.status == Status.FINISHED:         # stopped or aborted while the call ran
                     continue
-                # the device stopped a row the host goes on with: the call ahead ran it masked, and
-                # the row continues from the host's state once that call is read
-                self._chain_broken |= len(res.tokens) < w.budget
                 w.request.num_computed += len(res.tokens)
                 touched.append(self._append(w.request, res))
+                # the device stopped a row the host goes on with: the call ahead ran it masked, and
+                # the row continues from the host's state once that call is read
+                self._chain_broken |= w.request.status != Status.FINISHED and len(res.tokens) < w.budget
         outs = []
         for tr in touched:
             if tr.req.status == Status.FINISHED:

@@ -592,7 +592,7 @@ class ModelRunner:
         or done, of the same batch bucket), a row whose ``token`` is None continues row i of
         ``after`` on the device: it takes the last token that row sampled and runs only if that
         row ran its whole budget without a stop id; the caller gives it the position, token index
-        and pages that follow from that budget."""
+        and pages that follow from that budget, and takes ``after``'s tokens as they are."""
         self.validate(rows)
         h0 = time.perf_counter()
         b = self.buckets.decode_batch(len(rows))

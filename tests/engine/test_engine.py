@@ -225,7 +225,6 @@ def test_pipelined_decode_gives_what_one_call_at_a_time_gives(llm):
         assert [lp.logprob for lp in a.logprobs or []] == pytest.approx([lp.logprob for lp in b.logprobs or []],
                                                                         rel=1e-5, abs=1e-6)
     assert {o.finish_reason for o in runs[True]} >= {"stop", "length"}
-    engine.step()                                    # reads a call still ahead, if any
     assert engine.pages.num_free == engine.pages.capacity
 
 
@@ -246,7 +245,6 @@ def test_abort_while_a_call_is_ahead(llm):
         for o in engine.step():
             final[o.request_id] = o
     assert set(final) == {"ahead-0"} and final["ahead-0"].token_ids == alone
-    engine.step()
     assert engine.pages.num_free == engine.pages.capacity
 
 
@@ -277,5 +275,41 @@ def test_a_row_the_device_stops_and_the_host_does_not_goes_on(llm):
     finally:
         del engine.runner.decode_start
     assert outs[-1].finished and outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 20
-    engine.step()
+    assert engine.pages.num_free == engine.pages.capacity
+
+
+def test_a_finished_batch_leaves_no_call_ahead_and_the_rest_chains_again(llm):
+    """A call dispatched ahead whose rows all ended is read and dropped at the next step, so a
+    new request is scheduled at once; and rows that end at a stop id or their length do not keep
+    the next fresh call of the remaining rows from chaining."""
+    engine = llm.engine
+    base = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=30, **GREEDY))[0].token_ids
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=30, stop_token_ids=[base[8]], **GREEDY))  # stops in call 2
+    assert engine._ahead is not None and not engine.has_unfinished()
+    engine.add_request("late", [1, 2, 3], SamplingParams(max_tokens=3, **GREEDY))
+    assert engine.step() and engine.num_waiting == 0 and engine._ahead is None
+    while engine.has_unfinished():
+        engine.step()
+
+    rng = random.Random(0)
+    while True:                                      # A's 4th token is new: a stop id on it stops A there
+        prompt = [rng.randrange(engine.model_config.vocab_size) for _ in range(8)]
+        toks = llm.generate([prompt], SamplingParams(max_tokens=8, **GREEDY))[0].token_ids
+        if toks[3] not in toks[:3]:
+            break
+    calls = []
+    start = engine.runner.decode_start
+    engine.runner.decode_start = lambda rows, after=None: (calls.append(after is not None), start(rows, after))[1]
+    try:
+        engine.add_request("A", prompt, SamplingParams(max_tokens=30, stop_token_ids=[toks[3]], **GREEDY))
+        engine.add_request("B", [4, 4], SamplingParams(max_tokens=7, **GREEDY))   # its last call is the first
+        engine.add_request("C", [8, 8], SamplingParams(max_tokens=30, **GREEDY))
+        per_step = []
+        while engine.has_unfinished():
+            n = len(calls)
+            engine.step()
+            per_step.append(calls[n:])
+    finally:
+        del engine.runner.decode_start
+    assert per_step[:3] == [[], [False], [False, True]]   # prefill; A, B and C (B ends); C alone, chained
     assert engine.pages.num_free == engine.pages.capacity

@@ -3,7 +3,9 @@
 :class:`Script` wraps the server's ``ModelRunner.prefill`` / ``ModelRunner.decode_start``: the
 model runs as usual, then the sampled tokens of requests whose sampling ``seed`` has a registered
 script are replaced by the script's tokens (the text encoded by the checkpoint's tokenizer,
-then an end token). Requests with other seeds are untouched. Nothing outside tests changes.
+then an end token). Requests with other seeds are untouched. Nothing outside tests changes. A
+decode call dispatched ahead continues from the model's own last token, not the script's; the
+output stays the script's because every token of a scripted request is rewritten.
 """
 
 
