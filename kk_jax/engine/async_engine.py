@@ -89,8 +89,6 @@ class AsyncEngine:
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> asyncio.Queue:
         """Validates and enqueues one request; returns the queue that receives its outputs
         (RequestOutputs, the last with finished=True, or an exception)."""
-        if self._stop:
-            raise EngineDeadError("the engine is shutting down")
         loop = asyncio.get_running_loop()
         req = self.engine.prepare_request(request_id, prompt, params)
         queue: asyncio.Queue = asyncio.Queue()

@@ -292,11 +292,11 @@ class ModelRunner:
                               f"the mesh's devices are {platform!r} (use xla)")
         # all-greedy batches get a decode program without sampler branches where a branch costs a
         # device->host round trip per step (GPUs; on the CPU the branch is host code anyway)
-        greedy = cfg.greedy_decode_program == "on" or (cfg.greedy_decode_program == "auto" and on_gpu)
-        self.decode_programs = ("decode", "decode_greedy") if greedy else ("decode",)
+        wanted = lambda mode: mode == "on" or (mode == "auto" and on_gpu)      # auto | on | off
+        self.decode_programs = ("decode", "decode_greedy") if wanted(cfg.greedy_decode_program) else ("decode",)
         # step counts of the decode programs: a short program spares the tail calls of requests
         # the masked steps of a full one, where a device call is dear (GPUs)
-        tail = cfg.decode_tail_program == "on" or (cfg.decode_tail_program == "auto" and on_gpu)
+        tail = wanted(cfg.decode_tail_program)
         self.decode_step_counts = tuple(sorted({cfg.decode_steps, min(TAIL_DECODE_STEPS, cfg.decode_steps)}
                                                if tail else {cfg.decode_steps}))
         if cfg.kda_backend == "pallas" and not on_gpu:
