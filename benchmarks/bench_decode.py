@@ -4,7 +4,10 @@ Random bf16 weights are drawn on the device (no checkpoint needed). For each bat
 runner's fused decode loop (``--steps`` tokens per device call) runs over sequences that
 already hold ``--context`` tokens of KV. Reported per decode step: time, tokens/s, the
 roofline time (bytes of weights + KV read per step / 4.2 TB/s) and its ratio, and host time
-(packing/unpacking arrays) as a share of the step. Both attention backends (Pallas kernel and
+(packing/unpacking arrays) as a share of the step. Step time is measured twice: calls one at a
+time (each waits for the last one's tokens), and chained as the engine runs a batch that goes on
+unchanged (each call dispatched before the last one's tokens are read, its rows continuing on the
+device; ``ModelRunner.decode_start(after=)``). Both attention backends (Pallas kernel and
 the jnp twin) run in the same process for a side-by-side number, and with
 ``--dense-decode-backends pallas xla`` the unquantized linears' batch-1 decode matmuls on the
 Pallas weight-streaming kernel and on XLA's GEMV. ``--quant fp8_block|mxfp8|nvfp4`` holds every
@@ -21,6 +24,7 @@ sample (the runner's general decode program; greedy rows run its branch-free one
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -114,6 +118,7 @@ def bench(cfg, backend, batches, context, steps, iters, page_size, tp, trace_dir
         wall = (time.perf_counter() - t0) / (iters * steps)
         host = (runner.host_seconds - host0) / (iters * steps)
         assert all(len(o.tokens) == steps for o in out)
+        chain = chained_step_seconds(runner, rows, steps, iters)
         if trace_dir and b == max_b:
             with jax.profiler.trace(trace_dir):
                 runner.decode(rows)
@@ -121,20 +126,35 @@ def bench(cfg, backend, batches, context, steps, iters, page_size, tp, trace_dir
         rows_out.append(dict(backend=runner.backend, dense=runner.dense_backend, quant=label, batch=b, context=context,
                              step_ms=wall * 1e3,
                              tok_per_s=b / wall, roofline_ms=roof * 1e3, roofline_frac=roof / wall,
-                             host_frac=host / wall, compile_s=compile_s))
+                             host_frac=host / wall, chained_ms=chain * 1e3, chained_roofline_frac=roof / chain,
+                             compile_s=compile_s))
         print_row(rows_out[-1])
     return rows_out
 
 
+def chained_step_seconds(runner: ModelRunner, rows: list[DecodeRow], steps: int, iters: int) -> float:
+    """Seconds per step over `iters` chained calls: each is dispatched before the previous one's
+    tokens are read and continues its rows on the device, positions advancing `steps` a call."""
+    t0 = time.perf_counter()
+    cur = runner.decode_start(rows)
+    for c in range(1, iters + 1):
+        nxt = None if c == iters else runner.decode_start(
+            [dataclasses.replace(r, token=None, position=r.position + c * steps,
+                                 token_index=r.token_index + c * steps) for r in rows], after=cur)
+        assert all(len(o.tokens) == steps for o in cur.result())
+        cur = nxt
+    return (time.perf_counter() - t0) / (iters * steps)
+
+
 HEADER = (f"{'backend':8} {'dense':6} {'weights':15} {'batch':>5} {'ctx':>6} {'step ms':>9} {'tok/s':>10} "
-          f"{'roof ms':>9} {'%roof':>6} {'host%':>6}")
+          f"{'roof ms':>9} {'%roof':>6} {'host%':>6} {'chain ms':>9} {'%roof':>6}")
 
 
 def print_row(r) -> None:
     """One result line, printed as soon as it is measured (a time limit keeps what was done)."""
     print(f"{r['backend']:8} {r['dense']:6} {r['quant']:15} {r['batch']:5d} {r['context']:6d} {r['step_ms']:9.3f} "
           f"{r['tok_per_s']:10.1f} {r['roofline_ms']:9.3f} {100 * r['roofline_frac']:6.1f} "
-          f"{100 * r['host_frac']:6.2f}", flush=True)
+          f"{100 * r['host_frac']:6.2f} {r['chained_ms']:9.3f} {100 * r['chained_roofline_frac']:6.1f}", flush=True)
 
 
 def main():
