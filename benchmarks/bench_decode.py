@@ -14,7 +14,8 @@ Pallas weight-streaming kernel and on XLA's GEMV. ``--quant fp8_block|mxfp8|nvfp
 linear layer but the lm_head quantized (random codes and scales, as a quantized checkpoint would
 load; ``--fp8-activations``: block FP8 as W8A8), ``--prefill-tokens N`` also times the prefill
 of one N-token prompt in one chunk, and ``--temperature T [--top-p P]`` makes the decode rows
-sample (the runner's general decode program; greedy rows run its branch-free one).
+sample (the runner's decode program for that way of drawing, like greedy rows without
+sampler branches).
 
     python benchmarks/bench_decode.py --batch 1 8 64 --context 1024 --json out.json
     python benchmarks/bench_decode.py --quant mxfp8 --batch 1 --prefill-tokens 2048
@@ -176,7 +177,7 @@ def main():
     ap.add_argument("--fp8-activations", action="store_true", help="block FP8 as W8A8 (--quant fp8_block)")
     ap.add_argument("--prefill-tokens", type=int, default=0, help="also time one prompt of this many tokens")
     ap.add_argument("--temperature", type=float, default=0.0,
-                    help="decode rows sample at this temperature (0: greedy, the runner's branch-free program)")
+                    help="decode rows sample at this temperature (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0, help="and with this top-p (a full sort per step)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

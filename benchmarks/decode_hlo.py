@@ -74,7 +74,8 @@ def decode_program(layers: int, batch: int, tp: int = 1, steps: int = 8, context
     with the seconds spent lowering it and compiling it (host work: the same on any machine
     with this CPU, GPU or not). ``quant`` (Qwen3): every linear but the lm_head in that format,
     as ``bench_decode.py --quant``. ``program``: the runner's decode program for greedy batches
-    (what ``bench_decode.py`` runs) or for any sampling parameters (``"decode"``)."""
+    (what ``bench_decode.py`` runs by default), for sampled or top-k/p/min-p sampled ones, or for
+    any sampling parameters (``"decode"``, with the sampler's branches)."""
     if model == "glm5":
         from bench_glm5 import flash_config
 
@@ -116,8 +117,9 @@ def main():
     ap.add_argument("--model", choices=("qwen3", "glm5"), default="qwen3")
     ap.add_argument("--quant", default="bf16", choices=("bf16", *BLOCKS),
                     help="Qwen3's linear layers (all but the lm_head) quantized in this format")
-    ap.add_argument("--program", choices=("decode_greedy", "decode"), default="decode_greedy",
-                    help="the decode program for greedy batches, or for any sampling parameters")
+    ap.add_argument("--program", choices=("decode_greedy", "decode_draw", "decode_draw_filtered", "decode"),
+                    default="decode_greedy",
+                    help="the decode program of greedy, sampled or filtered-sampled batches, or of any")
     ap.add_argument("--hlo", default=None, help="also write the compiled program's HLO text here")
     args = ap.parse_args()
     if args.quant != "bf16" and args.model != "qwen3":

@@ -232,9 +232,11 @@ class EngineConfig:
     kernel_backend: str = "auto"          # auto (pallas on GPU, xla elsewhere) | pallas | xla
     kda_backend: str = "auto"             # KDA layers only: auto (= kernel_backend) | pallas | xla
     dense_decode_backend: str = "auto"   # unquantized linears at batch-1 decode: auto (pallas with the Pallas kernels on a GPU) | pallas | xla
-    greedy_decode_program: str = "auto"  # a second decode program per batch bucket for all-greedy batches,
-                                          # without sampler branches: auto (on a GPU, where a branch costs
-                                          # a device->host round trip each step) | on | off
+    sampler_programs: str = "auto"       # three more decode programs per batch bucket, without sampler
+                                          # branches: all-greedy batches, sampled ones, sampled with top-k /
+                                          # top-p / min-p (batches asking for top logprobs take the general
+                                          # one): auto (on a GPU, where a branch costs a device->host round
+                                          # trip each step and makes the call synchronous) | on | off
     decode_tail_program: str = "auto"    # a second, 4-step decode program per batch bucket for calls whose
                                           # rows all have at most 4 tokens left (a decode program runs all its
                                           # steps, masked once its rows stop): auto (on a GPU) | on | off
@@ -261,7 +263,7 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be auto, pallas or xla, got {getattr(self, name)!r}")
         if self.dense_decode_backend not in ("auto", "pallas", "xla"):
             raise ConfigError(f"dense_decode_backend must be auto, pallas or xla, got {self.dense_decode_backend!r}")
-        for name in ("greedy_decode_program", "decode_tail_program"):
+        for name in ("sampler_programs", "decode_tail_program"):
             if getattr(self, name) not in ("auto", "on", "off"):
                 raise ConfigError(f"{name} must be auto, on or off, got {getattr(self, name)!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -6,9 +6,10 @@ compiled steps (DESIGN rules 2-4):
 * ``prefill``: ``[B, T]`` chunk tokens per step for (B, T) in a fixed bucket set, samples the
   next token at each row's last chunk position.
 * ``decode``: ``decode_steps`` steps of ``[B]`` tokens inside one loop (model → sample →
-  append → stop check), with the pages for those steps reserved beforehand; ``decode_greedy``
-  is the same loop for batches whose rows all take the argmax (no sampler branches). Each
-  decode kind may also have a ``TAIL_DECODE_STEPS``-step program for the last tokens of rows.
+  append → stop check), with the pages for those steps reserved beforehand; ``decode_greedy``,
+  ``decode_draw`` and ``decode_draw_filtered`` are the same loop for batches drawn one known way
+  (`DRAW_PROGRAMS`; no sampler branches). Each decode kind may also have a
+  ``TAIL_DECODE_STEPS``-step program for the last tokens of rows.
 
 Both take ``(weights, pools, rows)`` (``rows``: the step's per-row inputs packed into one int32
 array by ``row_layout``), return ``(pools, outputs)`` and donate ``pools``.
@@ -41,7 +42,7 @@ from kk_jax.checkpoint.loader import (Stack, TensorSpec, abstract_params, expect
 from kk_jax.config import ConfigError, EngineConfig
 from kk_jax.engine.request import MAX_LOGPROBS
 from kk_jax.engine.row_inputs import RowLayout
-from kk_jax.engine.sampler import SamplingArrays, greedy_batch, sample
+from kk_jax.engine.sampler import DRAW, DRAW_FILTERED, GREEDY, SamplingArrays, draw_mode, sample
 from kk_jax.models.attention.paged import AttentionBatch
 from kk_jax.models.layers.linear import prepare_linears
 from kk_jax.models.layers.moe import prepare_experts
@@ -58,6 +59,9 @@ MAX_STOP_IDS = 16
 # device->host copy and a wait per test, and makes the call synchronous), so a call whose rows
 # all stop early runs its remaining steps masked.
 TAIL_DECODE_STEPS = 4
+# the decode programs without sampler branches, by the `draw_mode` they draw with ("decode" has
+# the branches and takes every batch)
+DRAW_PROGRAMS = {"decode_greedy": GREEDY, "decode_draw": DRAW, "decode_draw_filtered": DRAW_FILTERED}
 WARMUP_THREADS = 8           # concurrent start-up compiles (each holds a program's compiler state)
 JAX_DEFAULT_MEM_FRACTION = 0.75     # share of a GPU JAX's allocator may use unless told otherwise
 
@@ -290,10 +294,11 @@ class ModelRunner:
         if self.dense_backend == "pallas" and not on_gpu:
             raise ConfigError("dense_decode_backend 'pallas' runs a Mosaic GPU kernel and needs an NVIDIA GPU; "
                               f"the mesh's devices are {platform!r} (use xla)")
-        # all-greedy batches get a decode program without sampler branches where a branch costs a
-        # device->host round trip per step (GPUs; on the CPU the branch is host code anyway)
+        # a decode program per way of drawing, without sampler branches, where a branch costs a
+        # device->host round trip per step and makes the call synchronous (GPUs; on the CPU the
+        # branch is host code anyway)
         wanted = lambda mode: mode == "on" or (mode == "auto" and on_gpu)      # auto | on | off
-        self.decode_programs = ("decode", "decode_greedy") if wanted(cfg.greedy_decode_program) else ("decode",)
+        self.decode_programs = ("decode", *DRAW_PROGRAMS) if wanted(cfg.sampler_programs) else ("decode",)
         # step counts of the decode programs: a short program spares the tail calls of requests
         # the masked steps of a full one, where a device call is dear (GPUs)
         tail = wanted(cfg.decode_tail_program)
@@ -388,10 +393,10 @@ class ModelRunner:
         h_last = jnp.take_along_axis(h, x["last_idx"][:, None, None], axis=1)[:, 0]       # [B, hidden]
         return pools, sample(model.logits(h_last), sa, x["token_index"])
 
-    def _decode_fn(self, greedy, n_steps, layout, weights, pools, packed, prev_tokens, prev_alive):
+    def _decode_fn(self, mode, n_steps, layout, weights, pools, packed, prev_tokens, prev_alive):
         """``n_steps`` (static) steps in one loop of known trip count, which XLA runs without
         consulting the host; a row stops at a stop id or after ``budget`` tokens and its later
-        steps are masked. ``greedy`` (static): the batch's rows all take the argmax.
+        steps are masked. ``mode`` (static): how the batch's tokens are drawn (`sample`).
 
         A ``chained`` row continues the same row of the previous call on the device: its token is
         ``prev_tokens`` and it runs only if ``prev_alive``. Returns, besides the pools and the
@@ -411,7 +416,7 @@ class ModelRunner:
             batch = AttentionBatch(positions[:, None], active[:, None], page_table,
                                    jnp.where(active, positions + 1, 0), slots)
             h, pools = model(tokens[:, None], batch, pools, self.ops)
-            nxt, lp, top_ids, top_lp = sample(model.logits(h[:, 0]), sa, token_index, greedy=greedy)
+            nxt, lp, top_ids, top_lp = sample(model.logits(h[:, 0]), sa, token_index, mode=mode)
             outs = tuple(o.at[i].set(v) for o, v in zip(outs, (nxt, lp, top_ids, top_lp)))
             n_gen = n_gen + active
             stopped = jnp.any(nxt[:, None] == stop_ids, axis=-1)
@@ -445,7 +450,7 @@ class ModelRunner:
         separate device->host transfer and its wait (~0.4 ms a call on the H200)."""
         layout = row_layout(kind, t, self.max_pages_per_seq)
         fn = (functools.partial(self._prefill_fn, layout) if kind == "prefill" else
-              functools.partial(self._decode_fn, kind == "decode_greedy", t, layout))
+              functools.partial(self._decode_fn, DRAW_PROGRAMS.get(kind), t, layout))
         host = NamedSharding(self.mesh, P(), memory_kind="pinned_host")
         carry = () if kind == "prefill" else (NamedSharding(self.mesh, P()),)   # chained calls' inputs
         jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=(self.pool_shardings, host, *carry))
@@ -508,11 +513,10 @@ class ModelRunner:
         return table
 
     @staticmethod
-    def _sampling(rows, b: int) -> dict[str, np.ndarray]:
-        """The rows' sampling parameters by ``SamplingArrays`` field; padded rows are greedy."""
-        sa = SamplingArrays.from_params([r.params for r in rows] + [None] * (b - len(rows)),
-                                        [r.seed for r in rows] + [0] * (b - len(rows)), b)
-        return {f.name: getattr(sa, f.name) for f in dataclasses.fields(sa)}
+    def _sampling(rows, b: int) -> SamplingArrays:
+        """The rows' sampling parameters (host arrays); padded rows are greedy."""
+        return SamplingArrays.from_params([r.params for r in rows] + [None] * (b - len(rows)),
+                                          [r.seed for r in rows] + [0] * (b - len(rows)), b)
 
     @staticmethod
     def _slots(rows, b: int) -> np.ndarray:
@@ -573,7 +577,7 @@ class ModelRunner:
         packed = row_layout("prefill", t, self.max_pages_per_seq).pack(b, dict(
             tokens=tokens, positions=positions, valid=valid, page_table=self._page_table([r.pages for r in rows], b),
             kv_lens=kv_lens, slots=self._slots(rows, b), last_idx=last, token_index=tidx,
-            **self._sampling(rows, b)))
+            **vars(self._sampling(rows, b))))
         h1 = time.perf_counter()
         self.pools, out = fn(self.weights, self.pools, packed)
         nxt, lp, top_ids, top_lp = jax.device_get(out)
@@ -609,14 +613,16 @@ class ModelRunner:
             tokens[i], positions[i], active[i], budget[i], tidx[i] = r.token or 0, r.position, True, r.budget, \
                 r.token_index
             stop[i, : len(r.stop_ids)] = r.stop_ids
-        greedy = "decode_greedy" in self.decode_programs and greedy_batch([r.params for r in rows])
+        sa = self._sampling(rows, b)
+        mode = draw_mode(sa)
+        kind = next((k for k in self.decode_programs if DRAW_PROGRAMS.get(k, -1) == mode), "decode")
         need = max(r.budget for r in rows)
         steps = next((n for n in self.decode_step_counts if n >= need), self.decode_step_counts[-1])
-        fn = self._compile("decode_greedy" if greedy else "decode", b, steps)
+        fn = self._compile(kind, b, steps)
         packed = row_layout("decode", steps, self.max_pages_per_seq).pack(b, dict(
             tokens=tokens, chained=chained, positions=positions,
             page_table=self._page_table([r.pages for r in rows], b), slots=self._slots(rows, b), active=active,
-            budget=budget, stop_ids=stop, token_index=tidx, **self._sampling(rows, b)))
+            budget=budget, stop_ids=stop, token_index=tidx, **vars(sa)))
         prev = after.carry if after is not None and after.batch == b else self._no_carry(b)
         h1 = time.perf_counter()
         self.pools, out, carry = fn(self.weights, self.pools, packed, *prev)

@@ -63,23 +63,35 @@ def _filter(scaled: jax.Array, sa: SamplingArrays) -> jax.Array:
     return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
 
 
-def greedy_batch(params: list[SamplingParams | None]) -> bool:
-    """True when every row takes the argmax and asks for no alternatives: the runner then runs
-    `sample(..., greedy=True)`, a program without device-side branches (padded rows are None)."""
-    return all(sp is None or (sp.temperature == 0 and not sp.logprobs) for sp in params)
+GREEDY, DRAW, DRAW_FILTERED = 0, 1, 2     # how a batch's tokens are drawn (`sample`'s branches)
 
 
-def sample(logits: jax.Array, sa: SamplingArrays, token_index: jax.Array, *, greedy: bool = False):
+def draw_mode(sa: SamplingArrays) -> int | None:
+    """The branch `sample` takes for this batch, decided on the host from the same float32 / int32
+    arrays the device reads (so it is the device's choice exactly): GREEDY when no row is hot,
+    DRAW_FILTERED when a hot row has top-k / top-p / min-p, else DRAW. None when a row asks for
+    alternatives (the top-20), which only the program with device-side branches computes."""
+    if np.any(sa.top_logprobs > 0):
+        return None
+    hot = sa.temperature > 0
+    if not hot.any():
+        return GREEDY
+    return DRAW_FILTERED if np.any(hot & ((sa.top_k > 0) | (sa.top_p < 1.0) | (sa.min_p > 0.0))) else DRAW
+
+
+def sample(logits: jax.Array, sa: SamplingArrays, token_index: jax.Array, *, mode: int | None = None):
     """logits [B, V] fp32; token_index [B] (index of the token being generated per request).
 
     Returns tokens [B] i32, logprob [B] f32, top_ids [B, 20] i32, top_logprobs [B, 20] f32.
 
-    ``greedy`` (static, the host's `greedy_batch`): every row is the argmax and the
-    alternatives are zeros, with no device-side branch: XLA runs one by copying its index to the
-    host and waiting (~30-70 us a step on the H200 at batch 1). Otherwise a `lax.switch` picks
-    how to draw (every row greedy: no scaling or noise; sampling; sampling with top-k / top-p /
-    min-p, a full sort) and a `lax.cond` whether to compute the top-20 (over a 152K vocabulary a
-    full segmented sort on the GPU, ~1 ms per step at batch 64 on the H200, a tenth of the step).
+    ``mode`` (static, the host's `draw_mode`: GREEDY, DRAW or DRAW_FILTERED): the batch is drawn
+    that way and its alternatives are zeros, with no device-side branch: XLA runs a branch by
+    copying its index to the host and waiting (~30-70 us a step on the H200 at batch 1), which also
+    makes the whole call synchronous. ``mode=None``: a `lax.switch` picks how to draw (every row
+    greedy: no scaling or noise; sampling; sampling with top-k / top-p / min-p, a full sort) and a
+    `lax.cond` whether to compute the top-20 (over a 152K vocabulary a full segmented sort on the
+    GPU, ~1 ms per step at batch 64 on the H200, a tenth of the step). Both give the same outputs
+    wherever ``mode`` is the batch's `draw_mode`.
     """
     logits = logits.astype(jnp.float32)
     n_top = min(MAX_LOGPROBS, logits.shape[-1])
@@ -108,14 +120,14 @@ def sample(logits: jax.Array, sa: SamplingArrays, token_index: jax.Array, *, gre
         vals, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), n_top)
         return ids.astype(jnp.int32), vals
 
-    if greedy:
-        tokens, (top_ids, top_lp) = argmax(logits), no_top(logits)
+    branches = [argmax, functools.partial(draw_rows, filtered=False), functools.partial(draw_rows, filtered=True)]
+    if mode is not None:
+        tokens, (top_ids, top_lp) = branches[mode](logits), no_top(logits)
     else:
         hot = sa.temperature > 0
         needs_filter = jnp.any(hot & ((sa.top_k > 0) | (sa.top_p < 1.0) | (sa.min_p > 0.0)))
-        mode = jnp.where(jnp.any(hot), jnp.where(needs_filter, 2, 1), 0)
-        tokens = jax.lax.switch(mode, [argmax, functools.partial(draw_rows, filtered=False),
-                                       functools.partial(draw_rows, filtered=True)], logits)
+        branch = jnp.where(jnp.any(hot), jnp.where(needs_filter, DRAW_FILTERED, DRAW), GREEDY)
+        tokens = jax.lax.switch(branch, branches, logits)
         top_ids, top_lp = jax.lax.cond(jnp.any(sa.top_logprobs > 0), top, no_top, logits)
     # the chosen token's log-softmax, as jax.nn.log_softmax computes it, without writing [B, V]
     peak = jnp.max(logits, axis=-1)

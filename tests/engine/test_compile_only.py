@@ -49,24 +49,34 @@ def test_compile_only_runner_allocates_nothing_and_compiles_the_same_step():
     assert len(real.decode([row])[0].tokens) == 2
 
 
-def test_greedy_program_decodes_what_the_general_one_does():
-    """Off by default on the CPU; forced on, a greedy batch runs the branch-free program and gets
-    the general program's tokens and logprobs (6 steps; rows with budgets 6 and 3)."""
+@pytest.mark.parametrize("params, kind", [
+    ([SamplingParams(max_tokens=8, temperature=0.0)] * 2, "decode_greedy"),
+    ([SamplingParams(max_tokens=8, temperature=0.9, seed=3), SamplingParams(max_tokens=8, temperature=0.0)],
+     "decode_draw"),
+    ([SamplingParams(max_tokens=8, temperature=0.9, top_p=0.8, seed=3), SamplingParams(max_tokens=8, temperature=1.0)],
+     "decode_draw_filtered"),
+    ([SamplingParams(max_tokens=8, temperature=0.9, logprobs=2)] * 2, "decode"),
+])
+def test_branch_free_programs_decode_what_the_general_one_does(params, kind):
+    """Off by default on the CPU; forced on, a batch runs the program of its `draw_mode` (the
+    general one when a row asks for top logprobs) and gets the general program's tokens and
+    logprobs (6 steps; rows with budgets 6 and 3)."""
     ecfg = dataclasses.replace(ECFG, decode_steps=6)
-    greedy = SamplingParams(max_tokens=8, temperature=0.0)
     outs = {}
     for mode in ("off", "on"):
-        r = ModelRunner(Qwen3ForCausalLM, CFG, None, jnp.float32, dataclasses.replace(ecfg, greedy_decode_program=mode),
+        r = ModelRunner(Qwen3ForCausalLM, CFG, None, jnp.float32, dataclasses.replace(ecfg, sampler_programs=mode),
                         make_mesh(1), progress=False, random_weights_seed=0)
-        assert r.decode_programs == (("decode",) if mode == "off" else ("decode", "decode_greedy"))
-        rows = [DecodeRow(token=5 + i, position=0, pages=[1 + i], slot=0, budget=budget, stop_ids=[], params=greedy,
-                          seed=0, token_index=0) for i, budget in enumerate((6, 3))]
+        assert r.decode_programs == (("decode",) if mode == "off" else
+                                     ("decode", "decode_greedy", "decode_draw", "decode_draw_filtered"))
+        rows = [DecodeRow(token=5 + i, position=0, pages=[1 + i], slot=0, budget=budget, stop_ids=[], params=p,
+                          seed=11 + i, token_index=0) for i, (budget, p) in enumerate(zip((6, 3), params))]
         outs[mode] = r.decode(rows)
-        assert list(r._compiled) == [("decode_greedy" if mode == "on" else "decode", 2, 6)]
+        assert list(r._compiled) == [(kind if mode == "on" else "decode", 2, 6)]
     assert [len(o.tokens) for o in outs["on"]] == [6, 3]
     assert [o.tokens for o in outs["on"]] == [o.tokens for o in outs["off"]]
     for a, b in zip(outs["on"], outs["off"]):
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-6)
+        assert a.top_ids == b.top_ids
 
 
 def test_tail_program_decodes_what_the_full_one_does():

@@ -5,9 +5,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from kk_jax.engine.request import SamplingParams
-from kk_jax.engine.sampler import SamplingArrays, greedy_batch, sample
+from kk_jax.engine.sampler import DRAW, DRAW_FILTERED, GREEDY, SamplingArrays, draw_mode, sample
 
 LOGITS = jnp.log(jnp.array([[0.5, 0.25, 0.15, 0.1]], jnp.float32))
 
@@ -99,25 +100,43 @@ def test_chosen_logprob_is_log_softmax_of_the_chosen_token():
     np.testing.assert_allclose(np.asarray(lp), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
-def test_greedy_batches_are_told_apart_on_the_host():
+def test_draw_mode_is_told_apart_on_the_host():
+    def mode(*params):
+        return draw_mode(SamplingArrays.from_params(list(params), [0] * len(params), len(params)))
     greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)
-    assert greedy_batch([greedy, None, greedy])
-    assert not greedy_batch([greedy, hot])
-    assert not greedy_batch([greedy, SamplingParams(temperature=0.0, logprobs=3)])
+    assert mode(greedy, None, greedy) == GREEDY
+    assert mode(greedy, hot) == DRAW
+    assert mode(hot, SamplingParams(temperature=0.7, top_p=0.9)) == DRAW_FILTERED
+    assert mode(hot, SamplingParams(temperature=0.5, top_k=5)) == DRAW_FILTERED
+    assert mode(SamplingParams(temperature=0.5, min_p=0.1)) == DRAW_FILTERED
+    assert mode(greedy, SamplingParams(temperature=0.0, top_p=0.5)) == GREEDY      # filters of a cold row
+    assert mode(SamplingParams(temperature=1e-50)) == GREEDY                      # 0 in float32, as on the device
+    assert mode(SamplingParams(temperature=0.7, top_p=1 - 1e-9)) == DRAW          # 1.0 in float32
+    assert mode(greedy, SamplingParams(temperature=0.0, logprobs=3)) is None
+    assert mode(hot, SamplingParams(temperature=0.0, logprobs=1)) is None
 
 
-def test_greedy_program_has_no_branches_and_matches_the_general_one():
-    """The greedy program is branch-free (XLA would copy a branch index to the host each step);
-    the general one chooses with a switch and a cond. On a greedy batch both give the same outputs."""
+@pytest.mark.parametrize("params", [
+    [SamplingParams(temperature=0.0)] * 3,
+    [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.0), SamplingParams(temperature=2.0)],
+    [SamplingParams(temperature=0.8, top_p=0.7), SamplingParams(temperature=1.0, top_k=3),
+     SamplingParams(temperature=0.0, min_p=0.2)],
+])
+def test_static_draw_has_no_branches_and_matches_the_branching_one(params):
+    """A program drawn one known way is branch-free (XLA would copy a branch index to the host
+    each step); the general one chooses with a switch and a cond. On a batch whose `draw_mode` is
+    that way, both give the same outputs."""
     logits = jax.random.normal(jax.random.key(1), (3, 500), jnp.float32) * 3
-    sa = SamplingArrays.from_params([SamplingParams(temperature=0.0)] * 3, [0] * 3, 3)
-    idx = jnp.zeros((3,), jnp.int32)
+    sa = SamplingArrays.from_params(params, [7, 8, 9], 3)
+    idx = jnp.array([0, 4, 9], jnp.int32)
+    mode = draw_mode(sa)
     outs = {}
-    for greedy in (True, False):
-        fn = jax.jit(functools.partial(sample, greedy=greedy))
+    for m in (mode, None):
+        fn = jax.jit(functools.partial(sample, mode=m))
         text = fn.lower(logits, sa, idx).as_text()
-        assert text.count("stablehlo.case") + text.count("stablehlo.if") == (0 if greedy else 2)
-        outs[greedy] = [np.asarray(o) for o in fn(logits, sa, idx)]
-    for a, b in zip(outs[True], outs[False]):
+        assert text.count("stablehlo.case") + text.count("stablehlo.if") == (0 if m is not None else 2)
+        outs[m] = [np.asarray(o) for o in fn(logits, sa, idx)]
+    for a, b in zip(outs[mode], outs[None]):
         np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(outs[True][0], np.argmax(np.asarray(logits), -1))
+    cold = [i for i, p in enumerate(params) if p.temperature == 0]
+    np.testing.assert_array_equal(outs[mode][0][cold], np.argmax(np.asarray(logits), -1)[cold])
