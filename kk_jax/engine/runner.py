@@ -614,8 +614,8 @@ class ModelRunner:
                 r.token_index
             stop[i, : len(r.stop_ids)] = r.stop_ids
         sa = self._sampling(rows, b)
-        mode = draw_mode(sa)
-        kind = next((k for k in self.decode_programs if DRAW_PROGRAMS.get(k, -1) == mode), "decode")
+        mode = draw_mode(sa)                # its program without sampler branches, where there is one
+        kind = next((k for k, m in DRAW_PROGRAMS.items() if m == mode and k in self.decode_programs), "decode")
         need = max(r.budget for r in rows)
         steps = next((n for n in self.decode_step_counts if n >= need), self.decode_step_counts[-1])
         fn = self._compile(kind, b, steps)
