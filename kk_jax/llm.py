@@ -27,7 +27,8 @@ class LLM:
                  max_num_batched_tokens: int | None = None,
                  num_pages: int | None = None, gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto",
                  page_size: int = 16, decode_steps: int = 8, kernel_backend: str = "auto",
-                 kda_backend: str = "auto", dense_decode_backend: str = "auto", seed: int = 0,
+                 kda_backend: str = "auto", dense_decode_backend: str = "auto", sampler_programs: str = "auto",
+                 seed: int = 0,
                  scan_layers: bool = True,
                  load_mtp: bool = False, fp8_activations: bool = False, profile_dir: str | Path | None = None,
                  progress: bool = True):
@@ -35,7 +36,8 @@ class LLM:
         config = EngineConfig(max_model_len=max_model_len, **limits, page_size=page_size, num_pages=num_pages, gpu_memory_utilization=gpu_memory_utilization,
                               kv_cache_dtype=kv_cache_dtype, tp=tp, decode_steps=decode_steps,
                               kernel_backend=kernel_backend, kda_backend=kda_backend,
-                              dense_decode_backend=dense_decode_backend, seed=seed, scan_layers=scan_layers,
+                              dense_decode_backend=dense_decode_backend, sampler_programs=sampler_programs,
+                              seed=seed, scan_layers=scan_layers,
                               load_mtp=load_mtp,
                               fp8_activations=fp8_activations)
         self.engine = LLMEngine(model or default_model_dir(), dtype=dtype, config=config, progress=progress)

@@ -35,6 +35,10 @@ def parser() -> argparse.ArgumentParser:
                     help="unquantized linears at batch-1 decode: pallas = the weight-streaming Mosaic GPU "
                          "kernel, xla = XLA's GEMV; auto (default) = pallas when --kernel-backend resolves "
                          "to pallas on a GPU")
+    ap.add_argument("--sampler-programs", default="auto", choices=["auto", "on", "off"],
+                    help="per batch bucket, decode programs without sampler branches for greedy, sampled and "
+                         "top-k/p/min-p sampled batches (a branch costs a device->host round trip each step); "
+                         "auto = on a GPU; off halves the decode programs compiled at start-up")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
                     help="compile every layer on its own instead of scanning repeating layer groups "
@@ -49,22 +53,28 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def engine_config(args) -> EngineConfig:
+    """The engine's configuration from the parsed flags."""
+    from kk_jax.checkpoint.default import batch_limits
+
+    limits = batch_limits(args.model, args.max_num_seqs, args.max_num_batched_tokens)
+    return EngineConfig(max_model_len=args.max_model_len, **limits, page_size=args.page_size,
+                        num_pages=args.num_pages, gpu_memory_utilization=args.gpu_memory_utilization,
+                        kv_cache_dtype=args.kv_cache_dtype, tp=args.tp, decode_steps=args.decode_steps,
+                        kernel_backend=args.kernel_backend, kda_backend=args.kda_backend,
+                        dense_decode_backend=args.dense_decode_backend, sampler_programs=args.sampler_programs,
+                        seed=args.seed, scan_layers=args.scan_layers, fp8_activations=args.fp8_activations)
+
+
 def build(args):
     """Loads the model, warms every bucket up and returns (app, async engine)."""
-    from kk_jax.checkpoint.default import SERVED_NAME, batch_limits, default_model_dir
+    from kk_jax.checkpoint.default import SERVED_NAME, default_model_dir
     from kk_jax.engine.async_engine import AsyncEngine
     from kk_jax.engine.core import LLMEngine
     from kk_jax.server.app import ServerConfig, create_app
 
     model = args.model or str(default_model_dir())
-    limits = batch_limits(args.model, args.max_num_seqs, args.max_num_batched_tokens)
-    config = EngineConfig(max_model_len=args.max_model_len, **limits, page_size=args.page_size,
-                          num_pages=args.num_pages, gpu_memory_utilization=args.gpu_memory_utilization,
-                          kv_cache_dtype=args.kv_cache_dtype, tp=args.tp, decode_steps=args.decode_steps,
-                          kernel_backend=args.kernel_backend, kda_backend=args.kda_backend,
-                          dense_decode_backend=args.dense_decode_backend, seed=args.seed,
-                          scan_layers=args.scan_layers, fp8_activations=args.fp8_activations)
-    engine = LLMEngine(model, dtype=args.dtype, config=config)
+    engine = LLMEngine(model, dtype=args.dtype, config=engine_config(args))
     for kind, b, t, secs in engine.warmup_report:
         logging.getLogger("kk_jax").info("compiled %-7s batch=%-3d tokens=%-4d %.2fs", kind, b, t, secs)
     names = tuple(args.served_model_name or [args.model or SERVED_NAME])

@@ -39,3 +39,11 @@ def test_served_glm_scans_its_repeating_layers_unless_told_not_to(glm_server):
 
     assert glm_server.engine.engine.runner.layout["layers.1.state"].stack == 2     # layers 1-2: one scanned body
     assert parser().parse_args([]).scan_layers and not parser().parse_args(["--no-scan-layers"]).scan_layers
+
+
+def test_flags_reach_the_engine_config():
+    from kk_jax.server.cli import engine_config, parser
+
+    assert engine_config(parser().parse_args([])).sampler_programs == "auto"
+    cfg = engine_config(parser().parse_args(["--sampler-programs", "off", "--decode-steps", "4", "--no-scan-layers"]))
+    assert (cfg.sampler_programs, cfg.decode_steps, cfg.scan_layers) == ("off", 4, False)
