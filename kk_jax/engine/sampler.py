@@ -48,19 +48,52 @@ class SamplingArrays:
         return SamplingArrays(t, k, p, m, s, lp)
 
 
+RADIX_BITS = 4                            # bits of the threshold found per pass of `_filter`
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 keys in the same order (negative floats' bits flipped, the sign bit set on
+    the rest): thresholds on values become thresholds on integers, found bit by bit."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _largest_keys_holding(keys: jax.Array, weights: jax.Array, targets: jax.Array) -> jax.Array:
+    """For each row b and search s, the largest uint32 t with sum(weights[s, b, keys[b] >= t]) >=
+    targets[s, b] (0 when even t = 0 falls short): keys [B, V] u32, weights [S, B, V] f32, targets
+    [S, B] -> [S, B] u32. A radix search from the top bit, RADIX_BITS a pass: each pass weighs the
+    2^RADIX_BITS thresholds below the prefix found so far in one reduction over V, no sort."""
+    digits = jnp.arange(1 << RADIX_BITS, dtype=jnp.uint32)
+    prefix = jnp.zeros(targets.shape, jnp.uint32)
+    for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
+        cand = prefix[..., None] + (digits << shift)                                   # [S, B, D]
+        held = jnp.sum(jnp.where(keys[None, :, None, :] >= cand[..., None], weights[:, :, None, :], 0.0),
+                       axis=-1)                                                       # [S, B, D]
+        fit = jnp.sum(held >= targets[..., None], axis=-1)           # held falls as the digit grows
+        prefix = prefix + ((jnp.maximum(fit, 1) - 1).astype(jnp.uint32) << shift)
+    return prefix
+
+
 def _filter(scaled: jax.Array, sa: SamplingArrays) -> jax.Array:
-    """Masks tokens outside top-k / top-p / min-p with -inf. scaled [B, V] fp32."""
+    """Masks tokens outside top-k / top-p / min-p with -inf. scaled [B, V] fp32.
+
+    In the order of descending value, top-p keeps a token while the probability before it is below
+    top_p, i.e. every value v with P(x >= v') < top_p for all v' > v: the smallest value kept is the
+    largest v with P(x >= v) >= top_p. Top-k keeps values >= the k-th largest, min-p those with
+    probability >= min_p times the largest; all keep the top token, and ties of a kept value stay
+    with it. The thresholds come from `_largest_keys_holding`, not from sorting the vocabulary."""
     vocab = scaled.shape[-1]
-    vals = -jnp.sort(-scaled, axis=-1)                                   # [B, V] descending
-    probs = jax.nn.softmax(vals, axis=-1)
-    cum = jnp.cumsum(probs, axis=-1)
-    rank = jnp.arange(vocab)[None, :]
-    keep = (cum - probs) < sa.top_p[:, None]
-    keep &= (sa.top_k[:, None] <= 0) | (rank < sa.top_k[:, None])
-    keep &= probs >= sa.min_p[:, None] * probs[:, :1]
-    keep = keep.at[:, 0].set(True)
-    cutoff = jnp.min(jnp.where(keep, vals, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+    keys = _order_keys(scaled)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    top_k = jnp.minimum(jnp.where(sa.top_k > 0, sa.top_k, 0), vocab).astype(jnp.float32)
+    by_p, by_k = _largest_keys_holding(keys, jnp.stack([probs, jnp.ones_like(probs)]),
+                                       jnp.stack([sa.top_p, top_k]))
+    by_p = jnp.where(sa.top_p < 1.0, by_p, 0)                    # top_p 1: all, whatever the rounding
+    by_k = jnp.where(top_k > 0, by_k, 0)
+    by_min_p = jnp.min(jnp.where(probs >= sa.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), keys,
+                                 jnp.uint32(0xFFFFFFFF)), axis=-1)
+    cutoff = jnp.minimum(jnp.maximum(jnp.maximum(by_p, by_k), by_min_p), jnp.max(keys, axis=-1))
+    return jnp.where(keys >= cutoff[:, None], scaled, -jnp.inf)
 
 
 GREEDY, DRAW, DRAW_FILTERED = 0, 1, 2     # how a batch's tokens are drawn (`sample`'s branches)

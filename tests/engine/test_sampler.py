@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kk_jax.engine.request import SamplingParams
-from kk_jax.engine.sampler import DRAW, DRAW_FILTERED, GREEDY, SamplingArrays, draw_mode, sample
+from kk_jax.engine.sampler import DRAW, DRAW_FILTERED, GREEDY, SamplingArrays, _filter, draw_mode, sample
 
 LOGITS = jnp.log(jnp.array([[0.5, 0.25, 0.15, 0.1]], jnp.float32))
 
@@ -140,3 +140,47 @@ def test_static_draw_has_no_branches_and_matches_the_branching_one(params):
         np.testing.assert_array_equal(a, b)
     cold = [i for i, p in enumerate(params) if p.temperature == 0]
     np.testing.assert_array_equal(outs[mode][0][cold], np.argmax(np.asarray(logits), -1)[cold])
+
+
+def _kept_by_definition(x: np.ndarray, top_p: float, top_k: int, min_p: float) -> np.ndarray:
+    """float64 NumPy: which tokens of one row the filters keep (descending order, ties kept with
+    their value; top_p 1 keeps everything)."""
+    order = np.argsort(-x, kind="stable")
+    vals = x[order]
+    p = np.exp(vals - vals[0]) / np.exp(vals - vals[0]).sum()
+    keep = np.ones(len(x), bool)
+    if top_p < 1:
+        keep &= (np.cumsum(p) - p) < top_p
+    if top_k > 0:
+        keep &= np.arange(len(x)) < top_k
+    keep &= p >= min_p * p[0]
+    keep[0] = True
+    return x >= vals[keep].min()
+
+
+def test_filter_keeps_what_the_definitions_keep():
+    """The sort-free radix thresholds against sorting in float64, over random rows (every third
+    rounded to integers: many ties at the thresholds) and every mix of the three filters."""
+    rng = np.random.default_rng(0)
+    for trial in range(12):
+        b, v = 8, int(rng.integers(50, 3000))
+        x = (rng.standard_normal((b, v)) * rng.uniform(0.5, 6)).astype(np.float32)
+        if trial % 3 == 0:
+            x = np.round(x)
+        params = [SamplingParams(temperature=1.0, top_p=float(rng.choice([1.0, 0.99, 0.9, 0.5, 0.1])),
+                                 top_k=int(rng.choice([0, 1, 5, 50, v + 10])), min_p=float(rng.choice([0.0, 0.05, 0.5])))
+                  for _ in range(b)]
+        sa = SamplingArrays.from_params(params, [0] * b, b)
+        got = ~np.isinf(np.asarray(jax.jit(_filter)(jnp.asarray(x), sa)))
+        for i, sp in enumerate(params):
+            np.testing.assert_array_equal(got[i], _kept_by_definition(x[i].astype(np.float64), sp.top_p, sp.top_k,
+                                                                      sp.min_p), err_msg=f"trial {trial} row {i} {sp}")
+
+
+def test_filter_keeps_ties_and_extreme_values():
+    x = np.array([[3.0, 1.0, 3.0, -2.0, 3.0, -np.inf, 0.5]], np.float32)
+    for top_p, top_k, kept in ((0.3, 0, [0, 2, 4]), (1.0, 2, [0, 2, 4]), (1.0, 4, [0, 1, 2, 4]), (1.0, 0, range(7))):
+        sa = SamplingArrays.from_params([SamplingParams(temperature=1.0, top_p=top_p, top_k=top_k)], [0], 1)
+        got = np.nonzero(~np.isinf(np.asarray(_filter(jnp.asarray(x), sa)[0])))[0]
+        want = [i for i in kept if i != 5]                       # -inf stays -inf
+        assert list(got) == want, (top_p, top_k, got)
