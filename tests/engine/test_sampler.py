@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kk_jax.engine.request import SamplingParams
-from kk_jax.engine.sampler import DRAW, DRAW_FILTERED, GREEDY, SamplingArrays, _filter, draw_mode, sample
+from kk_jax.engine.sampler import DRAW, DRAW_FILTERED, GREEDY, SamplingArrays, _filter_by_radix, _filter_by_sort, draw_mode, sample
 
 LOGITS = jnp.log(jnp.array([[0.5, 0.25, 0.15, 0.1]], jnp.float32))
 
@@ -136,10 +136,14 @@ def test_static_draw_has_no_branches_and_matches_the_branching_one(params):
         text = fn.lower(logits, sa, idx).as_text()
         assert text.count("stablehlo.case") + text.count("stablehlo.if") == (0 if m is not None else 2)
         outs[m] = [np.asarray(o) for o in fn(logits, sa, idx)]
-    for a, b in zip(outs[mode], outs[None]):
-        np.testing.assert_array_equal(a, b)
+    tokens, logprobs, top_ids, top_lp = outs[mode]
+    np.testing.assert_array_equal(tokens, outs[None][0])
+    np.testing.assert_array_equal(top_ids, outs[None][2])
+    np.testing.assert_array_equal(top_lp, outs[None][3])
+    # XLA may fuse the two programs' log-softmax reductions differently (on the H200: 2e-7 apart)
+    np.testing.assert_allclose(logprobs, outs[None][1], rtol=1e-6)
     cold = [i for i, p in enumerate(params) if p.temperature == 0]
-    np.testing.assert_array_equal(outs[mode][0][cold], np.argmax(np.asarray(logits), -1)[cold])
+    np.testing.assert_array_equal(tokens[cold], np.argmax(np.asarray(logits), -1)[cold])
 
 
 def _kept_by_definition(x: np.ndarray, top_p: float, top_k: int, min_p: float) -> np.ndarray:
@@ -158,9 +162,10 @@ def _kept_by_definition(x: np.ndarray, top_p: float, top_k: int, min_p: float) -
     return x >= vals[keep].min()
 
 
-def test_filter_keeps_what_the_definitions_keep():
-    """The sort-free radix thresholds against sorting in float64, over random rows (every third
-    rounded to integers: many ties at the thresholds) and every mix of the three filters."""
+@pytest.mark.parametrize("filter_fn", [_filter_by_radix, _filter_by_sort])
+def test_filter_keeps_what_the_definitions_keep(filter_fn):
+    """Both ways of filtering against sorting in float64, over random rows (every third rounded to
+    integers: many ties at the thresholds) and every mix of the three filters."""
     rng = np.random.default_rng(0)
     for trial in range(12):
         b, v = 8, int(rng.integers(50, 3000))
@@ -171,16 +176,17 @@ def test_filter_keeps_what_the_definitions_keep():
                                  top_k=int(rng.choice([0, 1, 5, 50, v + 10])), min_p=float(rng.choice([0.0, 0.05, 0.5])))
                   for _ in range(b)]
         sa = SamplingArrays.from_params(params, [0] * b, b)
-        got = ~np.isinf(np.asarray(jax.jit(_filter)(jnp.asarray(x), sa)))
+        got = ~np.isinf(np.asarray(jax.jit(filter_fn)(jnp.asarray(x), sa)))
         for i, sp in enumerate(params):
             np.testing.assert_array_equal(got[i], _kept_by_definition(x[i].astype(np.float64), sp.top_p, sp.top_k,
                                                                       sp.min_p), err_msg=f"trial {trial} row {i} {sp}")
 
 
-def test_filter_keeps_ties_and_extreme_values():
+@pytest.mark.parametrize("filter_fn", [_filter_by_radix, _filter_by_sort])
+def test_filter_keeps_ties_and_extreme_values(filter_fn):
     x = np.array([[3.0, 1.0, 3.0, -2.0, 3.0, -np.inf, 0.5]], np.float32)
     for top_p, top_k, kept in ((0.3, 0, [0, 2, 4]), (1.0, 2, [0, 2, 4]), (1.0, 4, [0, 1, 2, 4]), (1.0, 0, range(7))):
         sa = SamplingArrays.from_params([SamplingParams(temperature=1.0, top_p=top_p, top_k=top_k)], [0], 1)
-        got = np.nonzero(~np.isinf(np.asarray(_filter(jnp.asarray(x), sa)[0])))[0]
+        got = np.nonzero(~np.isinf(np.asarray(filter_fn(jnp.asarray(x), sa)[0])))[0]
         want = [i for i in kept if i != 5]                       # -inf stays -inf
         assert list(got) == want, (top_p, top_k, got)
