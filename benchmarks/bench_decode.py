@@ -178,7 +178,7 @@ def main():
     ap.add_argument("--prefill-tokens", type=int, default=0, help="also time one prompt of this many tokens")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="decode rows sample at this temperature (0: greedy)")
-    ap.add_argument("--top-p", type=float, default=1.0, help="and with this top-p (a full sort per step)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="and with this top-p")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.fp8_activations and args.quant != "fp8_block":

@@ -45,16 +45,23 @@ class SamplingArrays:
             t[i], p[i], m[i], s[i] = min(sp.temperature, F32_MAX), sp.top_p, sp.min_p, seed % (1 << 32)
             k[i] = min(sp.top_k, np.iinfo(np.int32).max)        # top_k beyond the vocabulary = no top-k
             lp[i] = sp.logprobs or 0
+        # subnormal temperatures and min-p are 0: the device flushes them so, and `draw_mode` must
+        # see what the device sees
+        tiny = np.finfo(np.float32).tiny
+        t[t < tiny], m[m < tiny] = 0.0, 0.0
         return SamplingArrays(t, k, p, m, s, lp)
 
 
 RADIX_BITS = 4                            # bits of the threshold found per pass of `_filter_by_radix`
+assert 32 % RADIX_BITS == 0
 RADIX_MAX_ROWS = 16                       # `_filter`: batches of more rows sort
 
 
 def _order_keys(x: jax.Array) -> jax.Array:
     """float32 -> uint32 keys in the same order (negative floats' bits flipped, the sign bit set on
-    the rest): thresholds on values become thresholds on integers, found bit by bit."""
+    the rest): thresholds on values become thresholds on integers, found bit by bit. -0.0 keys as
+    +0.0 (equal values tie) and NaN as -inf (never above a number, as a comparison would have it)."""
+    x = jnp.where(jnp.isnan(x), -jnp.inf, jnp.where(x == 0, 0.0, x))
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
@@ -63,15 +70,16 @@ def _largest_keys_holding(keys: jax.Array, weights: jax.Array, targets: jax.Arra
     """For each row b and search s, the largest uint32 t with sum(weights[s, b, keys[b] >= t]) >=
     targets[s, b] (0 when even t = 0 falls short): keys [B, V] u32, weights [S, B, V] f32, targets
     [S, B] -> [S, B] u32. A radix search from the top bit, RADIX_BITS a pass: each pass weighs the
-    2^RADIX_BITS thresholds below the prefix found so far in one reduction over V, no sort."""
+    2^RADIX_BITS thresholds that extend the prefix found so far by one digit, in one reduction over
+    V, and keeps the largest digit that still holds the target; no sort."""
     digits = jnp.arange(1 << RADIX_BITS, dtype=jnp.uint32)
     prefix = jnp.zeros(targets.shape, jnp.uint32)
     for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
         cand = prefix[..., None] + (digits << shift)                                   # [S, B, D]
         held = jnp.sum(jnp.where(keys[None, :, None, :] >= cand[..., None], weights[:, :, None, :], 0.0),
                        axis=-1)                                                       # [S, B, D]
-        fit = jnp.sum(held >= targets[..., None], axis=-1)           # held falls as the digit grows
-        prefix = prefix + ((jnp.maximum(fit, 1) - 1).astype(jnp.uint32) << shift)
+        fit = jnp.max(jnp.where(held >= targets[..., None], digits, 0), axis=-1)
+        prefix = prefix + (fit << shift)
     return prefix
 
 
@@ -126,9 +134,9 @@ GREEDY, DRAW, DRAW_FILTERED = 0, 1, 2     # how a batch's tokens are drawn (`sam
 
 def draw_mode(sa: SamplingArrays) -> int | None:
     """The branch `sample` takes for this batch, decided on the host from the same float32 / int32
-    arrays the device reads (so it is the device's choice exactly): GREEDY when no row is hot,
-    DRAW_FILTERED when a hot row has top-k / top-p / min-p, else DRAW. None when a row asks for
-    alternatives (the top-20), which only the program with device-side branches computes."""
+    arrays the device reads (subnormals already 0, so it is the device's choice): GREEDY when no
+    row is hot, DRAW_FILTERED when a hot row has top-k / top-p / min-p, else DRAW. None when a row
+    asks for alternatives (the top-20), which only the program with device-side branches computes."""
     if np.any(sa.top_logprobs > 0):
         return None
     hot = sa.temperature > 0
@@ -146,7 +154,7 @@ def sample(logits: jax.Array, sa: SamplingArrays, token_index: jax.Array, *, mod
     that way and its alternatives are zeros, with no device-side branch: XLA runs a branch by
     copying its index to the host and waiting (~30-70 us a step on the H200 at batch 1), which also
     makes the whole call synchronous. ``mode=None``: a `lax.switch` picks how to draw (every row
-    greedy: no scaling or noise; sampling; sampling with top-k / top-p / min-p, a full sort) and a
+    greedy: no scaling or noise; sampling; sampling with top-k / top-p / min-p, `_filter`) and a
     `lax.cond` whether to compute the top-20 (over a 152K vocabulary a full segmented sort on the
     GPU, ~1 ms per step at batch 64 on the H200, a tenth of the step). Both give the same outputs
     wherever ``mode`` is the batch's `draw_mode`.

@@ -38,7 +38,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--sampler-programs", default="auto", choices=["auto", "on", "off"],
                     help="per batch bucket, decode programs without sampler branches for greedy, sampled and "
                          "top-k/p/min-p sampled batches (a branch costs a device->host round trip each step); "
-                         "auto = on a GPU; off halves the decode programs compiled at start-up")
+                         "auto = on a GPU; off compiles one decode program per bucket instead of four")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
                     help="compile every layer on its own instead of scanning repeating layer groups "

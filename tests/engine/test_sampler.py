@@ -112,6 +112,8 @@ def test_draw_mode_is_told_apart_on_the_host():
     assert mode(greedy, SamplingParams(temperature=0.0, top_p=0.5)) == GREEDY      # filters of a cold row
     assert mode(SamplingParams(temperature=1e-50)) == GREEDY                      # 0 in float32, as on the device
     assert mode(SamplingParams(temperature=0.7, top_p=1 - 1e-9)) == DRAW          # 1.0 in float32
+    assert mode(SamplingParams(temperature=1e-40)) == GREEDY                      # subnormal: flushed to 0
+    assert mode(SamplingParams(temperature=0.7, min_p=1e-40)) == DRAW
     assert mode(greedy, SamplingParams(temperature=0.0, logprobs=3)) is None
     assert mode(hot, SamplingParams(temperature=0.0, logprobs=1)) is None
 
@@ -190,3 +192,9 @@ def test_filter_keeps_ties_and_extreme_values(filter_fn):
         got = np.nonzero(~np.isinf(np.asarray(filter_fn(jnp.asarray(x), sa)[0])))[0]
         want = [i for i in kept if i != 5]                       # -inf stays -inf
         assert list(got) == want, (top_p, top_k, got)
+    zeros = np.array([[2.0, 0.0, -0.0, -1.0]], np.float32)      # -0.0 ties with +0.0
+    sa = SamplingArrays.from_params([SamplingParams(temperature=1.0, top_k=2)], [0], 1)
+    assert list(np.nonzero(~np.isinf(np.asarray(filter_fn(jnp.asarray(zeros), sa)[0])))[0]) == [0, 1, 2]
+    nan = np.array([[1.0, np.nan, 3.0, 2.0]], np.float32)        # NaN is never above a number; its
+    sa = SamplingArrays.from_params([SamplingParams(temperature=1.0, top_k=2)], [0], 1)   # NaN probabilities
+    assert list(np.nonzero(np.asarray(filter_fn(jnp.asarray(nan), sa)[0]) > -np.inf)[0]) == [2]  # keep the top
