@@ -203,27 +203,34 @@ class LLMEngine:
 
     def _dispatch_next(self, call: PendingDecode, works: list[DecodeWork]):
         """Dispatches the next decode call of ``works``' rows before ``call``'s tokens are read,
-        when the batch surely goes on unchanged: nothing waits to be admitted or prefilled and
-        every row has tokens left after its budget. Each row continues on the device from the
-        token ``call`` leaves it (a row that hit a stop id stays masked; one that a stop string
-        or an abort ends has its tokens dropped). Returns (call, works), or None."""
+        when the batch surely goes on without a new member: nothing waits to be admitted or
+        prefilled. Each row with tokens left after its budget continues on the device from the token
+        ``call`` leaves it (a row that hit a stop id stays masked; one that a stop string or an
+        abort ends has its tokens dropped). Rows that have ended, or whose length ends with
+        ``call``, are left out, unless a request waits for the sequence slot such a row frees
+        (then the next schedule admits that request first). Returns (call, works), or None."""
         if not self.scheduler.only_decoding():
             return None
-        nxt, first = [], []          # the next call's works, and the position each row starts at
-        for w in works:
+        nxt, first, follows = [], [], []   # the next call's works, each row's start position and row of ``call``
+        for i, w in enumerate(works):
             req = w.request
             n_tokens = req.num_tokens + w.budget             # once ``call`` has run its whole budget
             budget = min(self.config.decode_steps, req.remaining_tokens - w.budget,
                          self.config.max_model_len - n_tokens)
-            if req.status != Status.RUNNING or budget < 1:
+            if req.status == Status.FINISHED:                 # a stop string or an abort while ``call`` ran
+                continue
+            if req.status != Status.RUNNING or (budget < 1 and self.scheduler.waiting):
                 return None
-            nxt.append(DecodeWork(req, budget))
-            first.append(n_tokens - 1)
-        if not self.scheduler.extend([(w.request, pos + w.budget) for w, pos in zip(nxt, first)]):
+            if budget >= 1:
+                nxt.append(DecodeWork(req, budget))
+                first.append(n_tokens - 1)
+                follows.append(i)
+        if not nxt or not self.scheduler.extend([(w.request, pos + w.budget) for w, pos in zip(nxt, first)]):
             return None
         rows = [DecodeRow(None, pos, w.request.pages, w.request.slot, w.budget, self._stop_ids(w.request.params),
-                          w.request.params, w.request.seed, len(w.request.output_token_ids) + prev.budget)
-                for w, pos, prev in zip(nxt, first, works)]
+                          w.request.params, w.request.seed, len(w.request.output_token_ids) + works[i].budget,
+                          follows=i)
+                for w, pos, i in zip(nxt, first, follows)]
         return self.runner.decode_start(rows, after=call), nxt
 
     def _append(self, req: Request, res: Sampled) -> _Tracked:

@@ -191,8 +191,8 @@ class PrefillRow:
 
 @dataclasses.dataclass
 class DecodeRow:
-    token: int | None            # last token (its K/V not yet in the cache); None: the last token the
-                                 # same row of the call this one follows sampled (``decode_start(after=)``)
+    token: int | None            # last token (its K/V not yet in the cache); None: the last token row
+                                 # ``follows`` of the call this one follows sampled (``decode_start(after=)``)
     position: int
     pages: list[int]
     slot: int
@@ -201,6 +201,7 @@ class DecodeRow:
     params: object
     seed: int
     token_index: int
+    follows: int | None = None   # with token None: the row of ``after`` this one continues (None: its own)
 
 
 @dataclasses.dataclass
@@ -254,7 +255,7 @@ def row_layout(kind: str, t: int, max_pages: int) -> RowLayout:
         head = (("tokens", (t,), i32), ("positions", (t,), i32), ("valid", (t,), np.bool_),
                 ("page_table", (max_pages,), i32), ("kv_lens", (), i32), ("slots", (), i32), ("last_idx", (), i32))
     else:
-        head = (("tokens", (), i32), ("chained", (), np.bool_), ("positions", (), i32),
+        head = (("tokens", (), i32), ("follows", (), i32), ("positions", (), i32),
                 ("page_table", (max_pages,), i32), ("slots", (), i32), ("active", (), np.bool_), ("budget", (), i32),
                 ("stop_ids", (MAX_STOP_IDS,), i32))
     sa = SamplingArrays.from_params([None], [0], 1)
@@ -398,12 +399,13 @@ class ModelRunner:
         consulting the host; a row stops at a stop id or after ``budget`` tokens and its later
         steps are masked. ``mode`` (static): how the batch's tokens are drawn (`sample`).
 
-        A ``chained`` row continues the same row of the previous call on the device: its token is
-        ``prev_tokens`` and it runs only if ``prev_alive``. Returns, besides the pools and the
+        A row that ``follows`` row j >= 0 of the previous call continues it on the device: its token
+        is ``prev_tokens[j]`` and it runs only if ``prev_alive[j]``. Returns, besides the pools and the
         sampled outputs, each row's last token and whether it ran its whole budget without a
         stop id (the next call's ``prev_tokens`` / ``prev_alive``)."""
         x, sa = unpack_rows(layout, packed)
-        chained = x["chained"]
+        follows = x["follows"]
+        chained, src = follows >= 0, jnp.maximum(follows, 0)
         page_table, slots, budget, stop_ids = x["page_table"], x["slots"], x["budget"], x["stop_ids"]
         model = self._model(weights)
         b = packed.shape[0]
@@ -425,8 +427,8 @@ class ModelRunner:
             return (pools, jnp.where(active, nxt, tokens), positions + inc, new_active, token_index + inc, n_gen,
                     stopped_any | (active & stopped), outs)
 
-        tokens = jnp.where(chained, prev_tokens, x["tokens"])
-        active = x["active"] & (budget > 0) & (~chained | prev_alive)
+        tokens = jnp.where(chained, prev_tokens[src], x["tokens"])
+        active = x["active"] & (budget > 0) & (~chained | prev_alive[src])
         init = (pools, tokens, x["positions"], active, x["token_index"], jnp.zeros((b,), jnp.int32),
                 jnp.zeros((b,), jnp.bool_), outs)
         pools, last, _, _, _, n_gen, stopped_any, outs = jax.lax.fori_loop(0, n_steps, step, init)
@@ -593,16 +595,22 @@ class ModelRunner:
 
     def decode_start(self, rows: list[DecodeRow], after: PendingDecode | None = None) -> PendingDecode:
         """Dispatches a decode call without waiting for it. With ``after`` (a call still in flight
-        or done, of the same batch bucket), a row whose ``token`` is None continues row i of
-        ``after`` on the device: it takes the last token that row sampled and runs only if that
+        or done), a row whose ``token`` is None continues row ``follows`` of ``after`` (default: its
+        own index) on the device: it takes the last token that row sampled and runs only if that
         row ran its whole budget without a stop id; the caller gives it the position, token index
-        and pages that follow from that budget, and takes ``after``'s tokens as they are."""
+        and pages that follow from that budget, and takes ``after``'s tokens as they are. Such a
+        call keeps ``after``'s batch bucket (the device reads ``after``'s rows by index)."""
         self.validate(rows)
         h0 = time.perf_counter()
-        b = self.buckets.decode_batch(len(rows))
-        chained = np.array([r.token is None for r in rows] + [False] * (b - len(rows)))
-        if chained.any() and (after is None or after.batch != b or len(rows) > after.num_rows):
-            raise StepError("a row without a token continues a row of `after`, a call of the same batch bucket")
+        follows = np.full((len(rows),), -1, np.int32)
+        for i, r in enumerate(rows):
+            if r.token is None:
+                follows[i] = i if r.follows is None else r.follows
+        chained = bool((follows >= 0).any())
+        if chained and (after is None or follows.max() >= after.num_rows or len(rows) > after.batch):
+            raise StepError("a row without a token continues a row of `after`: give `after` and a row index "
+                            "below its number of rows")
+        b = after.batch if chained else self.buckets.decode_batch(len(rows))
         tokens = np.zeros((b,), np.int32)
         positions = np.zeros((b,), np.int32)
         active = np.zeros((b,), bool)
@@ -620,10 +628,11 @@ class ModelRunner:
         steps = next((n for n in self.decode_step_counts if n >= need), self.decode_step_counts[-1])
         fn = self._compile(kind, b, steps)
         packed = row_layout("decode", steps, self.max_pages_per_seq).pack(b, dict(
-            tokens=tokens, chained=chained, positions=positions,
+            tokens=tokens, follows=np.concatenate([follows, np.full((b - len(rows),), -1, np.int32)]),
+            positions=positions,
             page_table=self._page_table([r.pages for r in rows], b), slots=self._slots(rows, b), active=active,
             budget=budget, stop_ids=stop, token_index=tidx, **vars(sa)))
-        prev = after.carry if after is not None and after.batch == b else self._no_carry(b)
+        prev = after.carry if chained else self._no_carry(b)
         h1 = time.perf_counter()
         self.pools, out, carry = fn(self.weights, self.pools, packed, *prev)
         return PendingDecode(self, len(rows), b, out, carry, h1 - h0)

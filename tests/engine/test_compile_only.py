@@ -11,7 +11,7 @@ import pytest
 
 from kk_jax.config import EngineConfig, Qwen3Config
 from kk_jax.engine.request import SamplingParams
-from kk_jax.engine.runner import DecodeRow, ModelRunner
+from kk_jax.engine.runner import DecodeRow, ModelRunner, StepError
 from kk_jax.models.qwen3 import Qwen3ForCausalLM
 from kk_jax.parallel.mesh import make_mesh
 
@@ -102,3 +102,25 @@ def test_tail_program_decodes_what_the_full_one_does():
                     token_index=4)
     assert len(r.decode([row])[0].tokens) == 5
     assert ("decode", 1, 6) in r._compiled
+
+
+def test_a_chained_call_continues_any_rows_of_the_call_before():
+    """A call whose rows continue rows 2 and 0 of a 3-row call (in that order; row 1 ended) runs in
+    that call's batch bucket and decodes what a call given those rows' last tokens by the host
+    does (greedy, 3 steps each)."""
+    r = ModelRunner(Qwen3ForCausalLM, CFG, None, jnp.float32, dataclasses.replace(ECFG, max_num_seqs=4, decode_steps=3),
+                    make_mesh(1), progress=False, random_weights_seed=0)
+    greedy = SamplingParams(max_tokens=100, temperature=0.0)
+
+    def row(i, token, position, follows=None):
+        return DecodeRow(token=token, position=position, pages=[1 + 2 * i, 2 + 2 * i], slot=0, budget=3, stop_ids=[],
+                         params=greedy, seed=0, token_index=position, follows=follows)
+
+    first = r.decode_start([row(i, 5 + i, 0) for i in range(3)])
+    ahead = r.decode_start([row(2, None, 3, follows=2), row(0, None, 3, follows=0)], after=first)
+    assert ahead.batch == first.batch == 4
+    head, chained = first.result(), ahead.result()
+    again = r.decode([row(2, head[2].tokens[-1], 3), row(0, head[0].tokens[-1], 3)])
+    assert [s.tokens for s in chained] == [s.tokens for s in again]
+    with pytest.raises(StepError, match="row index"):
+        r.decode_start([row(0, None, 3, follows=3)], after=first)

@@ -281,7 +281,8 @@ def test_a_row_the_device_stops_and_the_host_does_not_goes_on(llm):
 def test_a_finished_batch_leaves_no_call_ahead_and_the_rest_chains_again(llm):
     """A call dispatched ahead whose rows all ended is read and dropped at the next step, so a
     new request is scheduled at once; and rows that end at a stop id or their length do not keep
-    the next fresh call of the remaining rows from chaining."""
+    the remaining rows from chaining: a row whose length ends with a call is left out of the
+    next, and a row the host ended is left out of the one after."""
     engine = llm.engine
     base = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=30, **GREEDY))[0].token_ids
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=30, stop_token_ids=[base[8]], **GREEDY))  # stops in call 2
@@ -311,5 +312,31 @@ def test_a_finished_batch_leaves_no_call_ahead_and_the_rest_chains_again(llm):
             per_step.append(calls[n:])
     finally:
         del engine.runner.decode_start
-    assert per_step[:3] == [[], [False], [False, True]]   # prefill; A, B and C (B ends); C alone, chained
+    # prefill; A, B and C, then A and C chained (B ends); then C alone, chained (A stopped at its id)
+    assert per_step[:3] == [[], [False, True], [True]]
+    assert engine.pages.num_free == engine.pages.capacity
+
+
+def test_a_waiting_request_is_admitted_before_chaining_past_an_end(llm):
+    """With every sequence slot taken and a request waiting, a row whose length ends with the
+    current call does not let the next call be dispatched ahead: the next step admits the waiting
+    request into the freed slot."""
+    engine = llm.engine
+    engine.config = dataclasses.replace(engine.config, max_num_seqs=2)
+    engine.scheduler.max_num_seqs = 2
+    try:
+        engine.add_request("short", [4, 4], SamplingParams(max_tokens=4, **GREEDY))     # ends in its first call
+        engine.add_request("long", [8, 8], SamplingParams(max_tokens=30, **GREEDY))
+        engine.add_request("waiting", [9, 9], SamplingParams(max_tokens=3, **GREEDY))
+        engine.step()                                                  # prefill of short and long
+        assert engine.num_waiting == 1
+        engine.step()                                                  # their decode call; short ends
+        assert engine._ahead is None and engine.num_waiting == 1
+        engine.step()                                                  # the waiting request is prefilled
+        assert engine.num_waiting == 0
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        engine.config = dataclasses.replace(engine.config, max_num_seqs=8)
+        engine.scheduler.max_num_seqs = 8
     assert engine.pages.num_free == engine.pages.capacity
