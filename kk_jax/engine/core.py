@@ -208,7 +208,9 @@ class LLMEngine:
         ``call`` leaves it (a row that hit a stop id stays masked; one that a stop string or an
         abort ends has its tokens dropped). Rows that have ended, or whose length ends with
         ``call``, are left out, unless a request waits for the sequence slot such a row frees
-        (then the next schedule admits that request first). Returns (call, works), or None."""
+        (then the next schedule admits that request first) or the rest would fit a smaller batch
+        bucket (a chained call keeps ``call``'s bucket; a fresh one runs the smaller, cheaper one).
+        Returns (call, works), or None."""
         if not self.scheduler.only_decoding():
             return None
         nxt, first, follows = [], [], []   # the next call's works, each row's start position and row of ``call``
@@ -225,7 +227,9 @@ class LLMEngine:
                 nxt.append(DecodeWork(req, budget))
                 first.append(n_tokens - 1)
                 follows.append(i)
-        if not nxt or not self.scheduler.extend([(w.request, pos + w.budget) for w, pos in zip(nxt, first)]):
+        if not nxt or self.runner.buckets.decode_batch(len(nxt)) != call.batch:   # a smaller bucket: a fresh call
+            return None
+        if not self.scheduler.extend([(w.request, pos + w.budget) for w, pos in zip(nxt, first)]):
             return None
         rows = [DecodeRow(None, pos, w.request.pages, w.request.slot, w.budget, self._stop_ids(w.request.params),
                           w.request.params, w.request.seed, len(w.request.output_token_ids) + works[i].budget,

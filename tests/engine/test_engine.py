@@ -282,7 +282,8 @@ def test_a_finished_batch_leaves_no_call_ahead_and_the_rest_chains_again(llm):
     """A call dispatched ahead whose rows all ended is read and dropped at the next step, so a
     new request is scheduled at once; and rows that end at a stop id or their length do not keep
     the remaining rows from chaining: a row whose length ends with a call is left out of the
-    next, and a row the host ended is left out of the one after."""
+    next, and a row the host ended is left out of the one after, as long as the rest keeps the
+    batch bucket (else a fresh call of the smaller bucket)."""
     engine = llm.engine
     base = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=30, **GREEDY))[0].token_ids
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=30, stop_token_ids=[base[8]], **GREEDY))  # stops in call 2
@@ -305,6 +306,7 @@ def test_a_finished_batch_leaves_no_call_ahead_and_the_rest_chains_again(llm):
         engine.add_request("A", prompt, SamplingParams(max_tokens=30, stop_token_ids=[toks[3]], **GREEDY))
         engine.add_request("B", [4, 4], SamplingParams(max_tokens=7, **GREEDY))   # its last call is the first
         engine.add_request("C", [8, 8], SamplingParams(max_tokens=30, **GREEDY))
+        engine.add_request("D", [9, 9], SamplingParams(max_tokens=30, **GREEDY))
         per_step = []
         while engine.has_unfinished():
             n = len(calls)
@@ -312,8 +314,9 @@ def test_a_finished_batch_leaves_no_call_ahead_and_the_rest_chains_again(llm):
             per_step.append(calls[n:])
     finally:
         del engine.runner.decode_start
-    # prefill; A, B and C, then A and C chained (B ends); then C alone, chained (A stopped at its id)
-    assert per_step[:3] == [[], [False, True], [True]]
+    # prefill; A-D, then A, C and D chained (B ends; bucket 4); A stopped at its id, so C and D
+    # (bucket 2) are read and run as a fresh call, then chained
+    assert per_step[:4] == [[], [False, True], [], [False, True]]
     assert engine.pages.num_free == engine.pages.capacity
 
 
