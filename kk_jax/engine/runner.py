@@ -602,12 +602,12 @@ class ModelRunner:
         call keeps ``after``'s batch bucket (the device reads ``after``'s rows by index)."""
         self.validate(rows)
         h0 = time.perf_counter()
-        follows = np.full((len(rows),), -1, np.int32)
-        for i, r in enumerate(rows):
-            if r.token is None:
-                follows[i] = i if r.follows is None else r.follows
-        chained = bool((follows >= 0).any())
-        if chained and (after is None or follows.max() >= after.num_rows or len(rows) > after.batch):
+        follows = np.array([-1 if r.token is not None else i if r.follows is None else r.follows
+                            for i, r in enumerate(rows)], np.int32)
+        ahead = np.array([r.token is None for r in rows])
+        chained = bool(ahead.any())
+        if chained and (after is None or follows[ahead].min() < 0 or follows.max() >= after.num_rows
+                        or len(rows) > after.batch):
             raise StepError("a row without a token continues a row of `after`: give `after` and a row index "
                             "below its number of rows")
         b = after.batch if chained else self.buckets.decode_batch(len(rows))

@@ -132,6 +132,12 @@ def _filter_by_radix(scaled: jax.Array, sa: SamplingArrays) -> jax.Array:
 GREEDY, DRAW, DRAW_FILTERED = 0, 1, 2     # how a batch's tokens are drawn (`sample`'s branches)
 
 
+def _filtered_rows(sa: SamplingArrays):
+    """Rows that sample with top-k / top-p / min-p: the one predicate of the host's `draw_mode`
+    (NumPy arrays) and the device's branch (traced arrays)."""
+    return (sa.temperature > 0) & ((sa.top_k > 0) | (sa.top_p < 1.0) | (sa.min_p > 0.0))
+
+
 def draw_mode(sa: SamplingArrays) -> int | None:
     """The branch `sample` takes for this batch, decided on the host from the same float32 / int32
     arrays the device reads (subnormals already 0, so it is the device's choice): GREEDY when no
@@ -142,7 +148,7 @@ def draw_mode(sa: SamplingArrays) -> int | None:
     hot = sa.temperature > 0
     if not hot.any():
         return GREEDY
-    return DRAW_FILTERED if np.any(hot & ((sa.top_k > 0) | (sa.top_p < 1.0) | (sa.min_p > 0.0))) else DRAW
+    return DRAW_FILTERED if np.any(_filtered_rows(sa)) else DRAW
 
 
 def sample(logits: jax.Array, sa: SamplingArrays, token_index: jax.Array, *, mode: int | None = None):
@@ -190,9 +196,8 @@ def sample(logits: jax.Array, sa: SamplingArrays, token_index: jax.Array, *, mod
     if mode is not None:
         tokens, (top_ids, top_lp) = branches[mode](logits), no_top(logits)
     else:
-        hot = sa.temperature > 0
-        needs_filter = jnp.any(hot & ((sa.top_k > 0) | (sa.top_p < 1.0) | (sa.min_p > 0.0)))
-        branch = jnp.where(jnp.any(hot), jnp.where(needs_filter, DRAW_FILTERED, DRAW), GREEDY)
+        branch = jnp.where(jnp.any(sa.temperature > 0),
+                           jnp.where(jnp.any(_filtered_rows(sa)), DRAW_FILTERED, DRAW), GREEDY)
         tokens = jax.lax.switch(branch, branches, logits)
         top_ids, top_lp = jax.lax.cond(jnp.any(sa.top_logprobs > 0), top, no_top, logits)
     # the chosen token's log-softmax, as jax.nn.log_softmax computes it, without writing [B, V]

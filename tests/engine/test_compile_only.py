@@ -122,5 +122,6 @@ def test_a_chained_call_continues_any_rows_of_the_call_before():
     head, chained = first.result(), ahead.result()
     again = r.decode([row(2, head[2].tokens[-1], 3), row(0, head[0].tokens[-1], 3)])
     assert [s.tokens for s in chained] == [s.tokens for s in again]
-    with pytest.raises(StepError, match="row index"):
-        r.decode_start([row(0, None, 3, follows=3)], after=first)
+    for bad in (3, -1):
+        with pytest.raises(StepError, match="row index"):
+            r.decode_start([row(0, None, 3, follows=bad)], after=first)
