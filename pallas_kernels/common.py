@@ -50,6 +50,18 @@ def hand_synced(**params) -> plgpu.CompilerParams:
     return plgpu.CompilerParams(unsafe_no_auto_barriers=True, **params)
 
 
+def gpu_fence():
+    """fence.acq_rel.gpu by every thread, then a warpgroup barrier: what all threads of a CTA
+    wrote to global memory is visible GPU-wide before any of them arrives on a cluster barrier,
+    and a CTA reading other CTAs' writes after its wait on that barrier sees them."""
+    @plgpu.inline_mgpu()
+    def fence(_):
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.acq_rel.gpu;", "", has_side_effects=True)
+        mgpu_utils.warpgroup_barrier()
+
+    fence()
+
+
 # PTX taking a pair of fp32 registers (the last two operands; element 0 goes to the low half of
 # each bf16x2 word) to one (_CVT_PAIR) or two (_SPLIT_PAIR: hi, lo) bf16x2 words
 _CVT_PAIR = "cvt.rn.bf16x2.f32 $0, $2, $1;"

@@ -1,6 +1,6 @@
 """NVFP4 weight-only matmul on Hopper. One activation row (decode at batch 1) on a shape the
-CUDA-core GEMV serves goes there (``gemv.py``: 1.6-1.7x the engine below on the H200); everything
-else runs the shared dequantizing engine (``pallas_kernels/mxfp8/wdequant.py``): the low and
+CUDA-core GEMV serves goes there (``gemv.py``: 1.6-1.7x the engine below on the H200); 2-8 rows
+go to the `mma.sync` GEMV (``mma_gemv.py``: 1.2-1.9x the engine); everything else runs the shared dequantizing engine (``pallas_kernels/mxfp8/wdequant.py``): the low and
 high nibbles of each byte become two bf16 tiles multiplied against the even and odd K columns
 of x, which the wrapper splits once per call (a pass over the activations, not the weights)."""
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.mxfp8 import wdequant as wd
 
-from . import gemv
+from . import gemv, mma_gemv
 from .reference import validate
 
 
@@ -25,6 +25,8 @@ def matmul_kernel(x, w_q, w_scale, w_scale_2, *, out_dtype=None, interpret=False
     if not plan_overrides and gemv.supported(x2.shape[0], n, k):
         y = gemv.gemv(x2, w_q, w_scale, s2, out_dtype=jnp.dtype(out_dtype), interpret=interpret)
         return y.reshape(*lead, n)
+    if not plan_overrides and mma_gemv.supported(x2.shape[0], n, k):
+        return mma_gemv.gemv(x2, w_q, w_scale, s2, out_dtype=jnp.dtype(out_dtype), interpret=interpret).reshape(*lead, n)
     np_, kp = wd.round_up(n, wd.BN), wd.round_up(k, 64)
     # N / K padding copies the weight: only for shapes no real layer has (N % 64, K % 64).
     w = wd.pad_cols(wd.pad_rows(w_q, np_), kp // 2)

@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import interpret_kwargs, num_sms
+from pallas_kernels.common import gpu_fence, interpret_kwargs, num_sms
 
 from .reference import validate_inputs
 
@@ -254,18 +254,6 @@ def attend_prepared(qs, k_pages, v_pages, page_table, kv_lens, *, group, v_scale
   return o.astype(out_dtype)
 
 
-def _fence():
-  """fence.acq_rel.gpu by every thread, then a warpgroup barrier: the partials all threads of a
-  CTA wrote are visible GPU-wide before any of them arrives on the cluster barrier, and the
-  merging CTA reads them only after its wait."""
-  @plgpu.inline_mgpu()
-  def fence(_):
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.acq_rel.gpu;", "", has_side_effects=True)
-    mgpu_utils.warpgroup_barrier()
-
-  fence()
-
-
 def _merge_splits(o_ref, lse_ref, out_ref):
   """out_ref [G, D] (HBM) <- the log-sum-exp merge of a sequence's splits for one kv head:
   o_ref [S, D, Gp] f32 normalised per split, lse_ref [S, Gp] f32 (base 2; -inf for an empty
@@ -444,13 +432,13 @@ def _paged_call(qs, k_pages, v_pages, page_table, kv_lens, *, group, num_splits,
     o_ref[b, h, s] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])
     lse_ref[b, h, s] = m_i + jnp.log(l_i) * LOG2E
     if merge:
-      _fence()
+      gpu_fence()
       plgpu.barrier_arrive(merge_bar.at[0])
       plgpu.barrier_wait(merge_bar.at[0])
 
       @pl.when(s == 0)
       def _():
-        _fence()
+        gpu_fence()
         _merge_splits(o_ref.at[b, h], lse_ref.at[b, h], out_ref.at[b, pl.ds(h * group, group)])
 
   bf16 = jnp.bfloat16

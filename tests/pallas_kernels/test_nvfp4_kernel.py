@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "quant"))
 import quant_oracle as orc  # noqa: E402
 
 from kk_jax.quant import nvfp4 as q  # noqa: E402
-from pallas_kernels.nvfp4 import gemv, matmul, matmul_kernel, matmul_reference  # noqa: E402
+from pallas_kernels.nvfp4 import gemv, matmul, matmul_kernel, matmul_reference, mma_gemv  # noqa: E402
 
 
 def make(m, n, k, seed=0):
@@ -73,6 +73,36 @@ def test_gemv_serves_one_row_of_whole_boxes():
         gemv.gemv(x, *w, out_dtype=jnp.float32, interpret=True)
 
 
+@pytest.mark.parametrize("m,n,k,sms,splits", [
+    (2, 64, 1536, None, 3),     # one item: its 3 K tiles split over a cluster of 3
+    (5, 128, 4096, None, 8),    # 2 items, 8 tiles: clusters of 8, one tile each
+    (8, 320, 2048, 1, 1),       # 3 CTAs share five items (unevenly), 4 tiles each refill the ring
+])
+def test_few_rows_run_the_mma_gemv(m, n, k, sms, splits, monkeypatch):
+    """2-8 activation rows go to the tensor-core GEMV; K splits (the interpreter adds the members'
+    sums in XLA, the GPU in the kernel) and the ring's refills give the oracle's result."""
+    if sms:
+        monkeypatch.setattr(mma_gemv, "num_sms", lambda: sms)
+    assert mma_gemv._plan(n, k, jnp.float32)[1] == splits
+    calls, real = [], mma_gemv.gemv
+    monkeypatch.setattr(mma_gemv, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x, *w = make(m, n, k, seed=n + m)
+    y = matmul_kernel(x, *w, out_dtype=jnp.float32, interpret=True)
+    assert calls and y.shape == (m, n)
+    assert orc.rel_err(y, oracle(x, *w)) < 1e-5
+    yb = matmul_kernel(x, *w, out_dtype=jnp.bfloat16, interpret=True)
+    assert yb.dtype == jnp.bfloat16 and orc.rel_err(yb, oracle(x, *w)) < 4e-3
+
+
+def test_mma_gemv_serves_two_to_eight_rows():
+    assert mma_gemv.supported(2, 4096, 4096) and mma_gemv.supported(8, 64, 512)
+    assert not mma_gemv.supported(1, 4096, 4096) and not mma_gemv.supported(9, 4096, 4096)
+    assert not mma_gemv.supported(4, 4096 + 16, 4096) and not mma_gemv.supported(4, 4096, 4096 + 256)
+    x, *w = make(9, 64, 512)
+    with pytest.raises(ValueError, match="mma_gemv serves 2 <= M <= 8"):
+        mma_gemv.gemv(x, *w, out_dtype=jnp.float32, interpret=True)
+
+
 def test_bad_operands_are_named():
     x, wq, ws, s2 = make(2, 64, 128)
     with pytest.raises(ValueError, match=r"w_scale has shape \[7, 64\], expected \[8, 64\] \(transposed\)"):
@@ -83,7 +113,7 @@ def test_bad_operands_are_named():
         matmul(x, wq, ws, jnp.ones((2,)), backend="xla")
 
 
-@pytest.mark.parametrize("m", [1, 2048])
+@pytest.mark.parametrize("m", [1, 8, 2048])
 def test_lowers_for_hopper(m):
     n, k = 256, 4096
     f = lambda x, w, s, s2: matmul(x, w, s, s2)
@@ -94,9 +124,11 @@ def test_lowers_for_hopper(m):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 4096, 12288), (1, 256, 1024), (1, 4096, 7168),
-                                   (300, 512, 1024)])
+                                   (300, 512, 1024), (2, 4096, 4096), (8, 4096, 12288), (5, 2048, 4096),
+                                   (3, 12288, 4096)])
 def test_compiled_kernel_matches_oracle(m, n, k):
-    """M = 1 with K a multiple of 2048 runs the GEMV, K = 1024 the engine."""
+    """M = 1 with K a multiple of 2048 runs the GEMV, K = 1024 the engine; M = 2-8 the mma GEMV
+    (K split over clusters of 4, 6, 8 and 2 CTAs)."""
     x, *w = make(m, n, k, seed=7)
     assert orc.rel_err(matmul(x, *w, backend="pallas", out_dtype=jnp.float32), oracle(x, *w)) < 1e-4
 
