@@ -128,14 +128,18 @@ def _tile_update(acc, w_ref, s_ref, x_ref, *, m, interpret):
                     v = arith.mulf(vector.extract(hv, [], [e]), mgpu_utils.c(2.0 ** 116, f32))
                     scale[b, 2 * p + e] = llvm.inline_asm(i32, [v, v], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
 
-        mag, sgn = cst(0x01C001C0), cst(0x80008000 - (1 << 32))
-
-        def shifted(word, k):
-            return word if k == 0 else (arith.shli(word, cst(k)) if k > 0 else arith.shrui(word, cst(-k)))
+        keep = cst(0x81C081C0 - (1 << 32))
+        high = {}
 
         def operand(word, i, sc):
-            """bf16x2 (code i, code i + 4) of the word, each e2m1 * scale * 2^-10."""
-            bits = arith.ori(arith.andi(shifted(word, 6 - 4 * i), mag), arith.andi(shifted(word, 12 - 4 * i), sgn))
+            """bf16x2 (code i, code i + 4) of the word, each e2m1 * scale * 2^-10: the two codes
+            (at bits p and p + 16 of the word or of the word >> 8) times 2^(6-p) + 2^(12-p) puts
+            each code's magnitude at bits 6-8 and its sign at 15 (of its half); the mask drops the
+            copies' other bits. The multiply runs on the FMA pipe, off the integer one."""
+            src = word if i < 2 else high.setdefault(id(word), arith.shrui(word, cst(8)))
+            p = 4 * (i % 2)
+            codes = arith.andi(src, cst(0x000F000F << p))
+            bits = arith.andi(arith.muli(codes, cst((1 << (6 - p)) + (1 << (12 - p)))), keep)
             return asm([bits, sc], "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r")
 
         regs = acc_in.registers.flat[0]
