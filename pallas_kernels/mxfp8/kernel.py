@@ -1,12 +1,13 @@
 """MXFP8 weight-only matmul on Hopper: one activation row on a shape the CUDA-core GEMV serves
-goes there (``gemv.py``); everything else runs the shared dequantizing engine (``wdequant.py``)
-with 32-column groups, one E8M0 scale per row and group. See ``wdequant`` for the design."""
+goes there (``gemv.py``), 2-8 rows to the `mma.sync` GEMV (``mma_gemv.py``); everything else
+runs the shared dequantizing engine (``wdequant.py``) with 32-column groups, one E8M0 scale per
+row and group. See ``wdequant`` for the design."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from . import gemv
+from . import gemv, mma_gemv
 from . import wdequant as wd
 from .reference import validate
 
@@ -21,6 +22,8 @@ def matmul_kernel(x, w_q, w_scale, *, out_dtype=None, interpret=False, **plan_ov
     if not plan_overrides and gemv.supported(x2.shape[0], n, k):
         y = gemv.gemv(x2, w_q, w_scale, out_dtype=jnp.dtype(out_dtype), interpret=interpret)
         return y.reshape(*lead, n)
+    if not plan_overrides and mma_gemv.supported(x2.shape[0], n, k):
+        return mma_gemv.gemv(x2, w_q, w_scale, out_dtype=jnp.dtype(out_dtype), interpret=interpret).reshape(*lead, n)
     np_, kp = wd.round_up(n, wd.BN), wd.round_up(k, 64)
     # The weight is padded per call only when N or K is not a multiple of 64 (odd test shapes, or
     # a tensor-parallel shard with K an odd multiple of 32); padded K columns meet zero

@@ -20,7 +20,8 @@ import quant_oracle as orc  # noqa: E402
 
 from kk_jax.quant import mxfp8 as q  # noqa: E402
 from pallas_kernels.common import SMEM_PER_CTA  # noqa: E402
-from pallas_kernels.mxfp8 import gemv, matmul, matmul_kernel, matmul_reference  # noqa: E402
+from pallas_kernels import mma_gemv as mma_kernel  # noqa: E402
+from pallas_kernels.mxfp8 import gemv, matmul, matmul_kernel, matmul_reference, mma_gemv  # noqa: E402
 
 
 def make(m, n, k, seed=0):
@@ -70,6 +71,27 @@ def test_one_row_runs_the_gemv(n, k, sms, gemv_spy):
     yb = matmul_kernel(x, wq, ws, out_dtype=jnp.bfloat16, interpret=True)
     assert yb.dtype == jnp.bfloat16 and orc.rel_err(yb, oracle(x, wq, ws)) < 4e-3
     assert not gemv.supported(2, n, k) and not gemv.supported(1, n, k + 128)
+
+
+@pytest.mark.parametrize("m,n,k,sms,splits", [
+    (2, 64, 768, None, 3),      # one item: its 3 K tiles split over a cluster of 3
+    (6, 128, 2048, None, 8),    # 2 items, 8 tiles: clusters of 8, one tile each
+    (8, 320, 1024, 1, 1),       # 3 CTAs share five items (unevenly), 4 tiles each refill the ring
+])
+def test_few_rows_run_the_mma_gemv(m, n, k, sms, splits, gemv_spy):
+    """2-8 activation rows go to the tensor-core GEMV (fp32 and bf16 out); K splits (added by XLA
+    in the interpreter, by the kernel on the GPU) and ring refills; 32-blocks span 2^-8 .. 2^8."""
+    calls = gemv_spy(mma_gemv, sms, items=n // 64, tiles=k // 256, kernel=mma_kernel)
+    assert mma_kernel._plan(mma_gemv.FORMAT, n, k, jnp.float32)[1] == splits
+    x, wq, ws = make(m, n, k, seed=n + m)
+    y = matmul_kernel(x, wq, ws, out_dtype=jnp.float32, interpret=True)
+    assert calls and y.shape == (m, n)
+    assert orc.rel_err(y, oracle(x, wq, ws)) < 1e-5
+    yb = matmul_kernel(x, wq, ws, out_dtype=jnp.bfloat16, interpret=True)
+    assert yb.dtype == jnp.bfloat16 and orc.rel_err(yb, oracle(x, wq, ws)) < 4e-3
+    assert not mma_gemv.supported(9, n, k) and not mma_gemv.supported(m, n + 16, k)
+    with pytest.raises(ValueError, match="mxfp8_mma_gemv serves 2 <= M <= 8"):
+        mma_gemv.gemv(x[:1], wq, ws, out_dtype=jnp.float32, interpret=True)
 
 
 def test_bf16_output_and_leading_dims():
@@ -135,7 +157,7 @@ def test_decode_split_sizes_per_format():
     assert wd.plan(1, 12288, 4096, "nvfp4", max_ctas=3 * wd.NUM_SMS).splits == 2
 
 
-@pytest.mark.parametrize("m", [1, 64, 2048])
+@pytest.mark.parametrize("m", [1, 8, 64, 2048])
 def test_lowers_for_hopper(m):
     """Mosaic GPU lowering (layout inference included) for the decode and prefill tilings."""
     n, k = 256, 4096
@@ -146,8 +168,10 @@ def test_lowers_for_hopper(m):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 2048, 1536), (8, 1, 96), (300, 512, 1024), (1100, 384, 640),
-                                   (1100, 2560, 640)])
+                                   (1100, 2560, 640), (2, 4096, 4096), (8, 4096, 12288), (5, 2048, 4096),
+                                   (3, 12288, 4096)])
 def test_compiled_kernel_matches_oracle(m, n, k):
+    """M = 2-8 on the mma GEMV: K split over clusters of 4, 6, 8 and 2 CTAs."""
     x, wq, ws = make(m, n, k, seed=11)
     y = matmul(x, wq, ws, backend="pallas", out_dtype=jnp.float32)
     assert orc.rel_err(y, oracle(x, wq, ws)) < 1e-4

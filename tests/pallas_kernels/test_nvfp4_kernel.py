@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "quant"))
 import quant_oracle as orc  # noqa: E402
 
 from kk_jax.quant import nvfp4 as q  # noqa: E402
+from pallas_kernels import mma_gemv as mma_kernel  # noqa: E402
 from pallas_kernels.nvfp4 import gemv, matmul, matmul_kernel, matmul_reference, mma_gemv  # noqa: E402
 
 
@@ -78,14 +79,11 @@ def test_gemv_serves_one_row_of_whole_boxes():
     (5, 128, 4096, None, 8),    # 2 items, 8 tiles: clusters of 8, one tile each
     (8, 320, 2048, 1, 1),       # 3 CTAs share five items (unevenly), 4 tiles each refill the ring
 ])
-def test_few_rows_run_the_mma_gemv(m, n, k, sms, splits, monkeypatch):
+def test_few_rows_run_the_mma_gemv(m, n, k, sms, splits, gemv_spy):
     """2-8 activation rows go to the tensor-core GEMV; K splits (the interpreter adds the members'
     sums in XLA, the GPU in the kernel) and the ring's refills give the oracle's result."""
-    if sms:
-        monkeypatch.setattr(mma_gemv, "num_sms", lambda: sms)
-    assert mma_gemv._plan(n, k, jnp.float32)[1] == splits
-    calls, real = [], mma_gemv.gemv
-    monkeypatch.setattr(mma_gemv, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = gemv_spy(mma_gemv, sms, items=n // 64, tiles=k // 512, kernel=mma_kernel)
+    assert mma_kernel._plan(mma_gemv.FORMAT, n, k, jnp.float32)[1] == splits
     x, *w = make(m, n, k, seed=n + m)
     y = matmul_kernel(x, *w, out_dtype=jnp.float32, interpret=True)
     assert calls and y.shape == (m, n)
@@ -99,7 +97,7 @@ def test_mma_gemv_serves_two_to_eight_rows():
     assert not mma_gemv.supported(1, 4096, 4096) and not mma_gemv.supported(9, 4096, 4096)
     assert not mma_gemv.supported(4, 4096 + 16, 4096) and not mma_gemv.supported(4, 4096, 4096 + 256)
     x, *w = make(9, 64, 512)
-    with pytest.raises(ValueError, match="mma_gemv serves 2 <= M <= 8"):
+    with pytest.raises(ValueError, match="nvfp4_mma_gemv serves 2 <= M <= 8"):
         mma_gemv.gemv(x, *w, out_dtype=jnp.float32, interpret=True)
 
 

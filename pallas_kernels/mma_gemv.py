@@ -1,0 +1,387 @@
+"""Weight-streaming GEMV for 2-8 activation rows (decode of small batches, speculative verify)
+on the tensor cores' `mma.sync.m16n8k16` (bf16 operands, fp32 sums), for weight formats whose
+codes dequantize exactly to bf16: NVFP4 (two codes a byte) and MXFP8 (one).
+
+    y [M, N] = x [M, K] (bf16) @ dequant(w)^T * w_scale_2, fp32 sums, rounded once
+
+The one-row GEMV (`row_gemv.py`) spends one FMA per weight; at M = 8 that would be eight, more
+than an SM issues while HBM streams the codes. Here a thread decodes each code once into a bf16
+`mma` operand and the tensor cores do the M products, so the cost per byte barely depends on M:
+
+* an item is ROWS = 64 weight rows; its K tiles (64 rows x 256 bytes of codes, their block
+  scales [tile K / block, 64] and x's [M, tile K] slice) stream through a ring of TMA slots in
+  persistent CTAs, which take the items round-robin; where N has fewer items than the grid has
+  CTAs, a cluster of CTAs shares each item, one K range each (`_plan`), and its first CTA adds
+  the others' sums after a cluster barrier;
+* warp w takes bytes 64w..64w+63 of every row of a tile; lane (g, c) = (lane // 4, lane % 4)
+  the 16 bytes 64w + 16c.. of the 8 tile rows 8g..8g+7. Row group r's mma row g is tile row
+  8g + 2r, its row g + 8 is 8g + 2r + 1: a lane's 8 rows are contiguous, so their block scales
+  are one 8-byte load;
+* the format turns a 32-bit word of codes into bf16x2 operands, operand i holding codes (i,
+  i + `Format.pair`) of the word (`Format.operands`), and multiplies each by its row's block
+  scale (`Format.scale_pairs`, `mul.rn.bf16x2`, exact); two operands per row make an mma's A
+  fragment for that row;
+* each lane sums its codes in its own K order; x, the B operand, follows the same order (token
+  g's pairs by `prmt` from 16-byte loads), so every mma is a sum of exact products of bf16
+  values in fp32 (the jnp twins' numerics up to the summation order);
+* at an item's end the 4 warps' partial [64, M] sums meet in shared memory, are multiplied by
+  `Format.factor * w_scale_2` and leave by TMA in the output dtype.
+
+Two 8-token column blocks for 9-16 rows ran 2.5x slower than one on the H200 (RESULTS.md), so M
+stops at 8. Interpret mode (CPU tests) runs the same ring and epilogue with jnp tile math
+(`Format.values`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import gpu_fence, hand_synced, interpret_kwargs, num_sms
+
+ROWS = 64                    # weight rows per item
+GROUPS = ROWS // 16          # m16 row groups per item
+TILE_BYTES = 256             # bytes of codes per row and K tile (one TMA box)
+_X_BOX = 256                 # x is staged in [M, 256] boxes (the TMA box limit)
+_STAGES = 2                  # ring slots per CTA (3 ran 15-25 % slower on the H200)
+_CTAS_PER_SM = 3             # at most; fewer where shared memory runs out
+_SM_SMEM = 228 * 1024
+_CTA_SMEM_RESERVE = 2 * 1024
+MAX_M = 8                    # tokens: one n8 column block
+MAX_SPLITS = 8               # K splits: CTAs of a cluster (the portable cluster size)
+
+_MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
+_ACC = plgpu.Layout.WG_STRIDED((128, 4 * GROUPS), 4 * GROUPS)   # thread t: 4 sums per row group
+
+
+class Format(NamedTuple):
+    """What a weight format brings to the mma GEMV."""
+    name: str           # the kernel's name in traces
+    codes_per_byte: int
+    block: int          # codes along K per block scale
+    pair: int           # an operand holds codes (i, i + pair) of a word
+    factor: float       # every output is multiplied by factor * w_scale_2
+    operands: Callable  # inline: i32 word -> [operand bits (i32, bf16x2 * 2^-k)] for i = 0, 1, ...
+    scale_pairs: Callable  # inline: vector<8 x i8> of 8 rows' scale bytes -> 8 i32 bf16x2 (s, s)
+    values: Callable    # jnp: (codes u8 [64, 256], scales u8 [tile K / block, 64]) -> [64, tile K]
+                        # f32 operand values times their scales, as the GPU multiplies them
+
+    @property
+    def tile_k(self) -> int:
+        return TILE_BYTES * self.codes_per_byte
+
+    @property
+    def scale_rows(self) -> int:
+        return self.tile_k // self.block
+
+
+def supported(fmt: Format, m: int, n: int, k: int) -> bool:
+    """2 <= M <= 8 activation rows, N a multiple of 64, K a multiple of the tile's K."""
+    return 2 <= m <= MAX_M and n % ROWS == 0 and k % fmt.tile_k == 0
+
+
+def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, m, interpret):
+    """acc += this tile's products. w_ref [64, 256] u8 codes, s_ref [tile K / block, 64] u8
+    scales (K block, row), x_ref [tile K / 256, 8, 256] bf16 (rows past M are not read into any
+    stored output). Interpret mode: acc [64, M] f32, the same operand values summed by XLA."""
+    if interpret:
+        xs = jnp.concatenate([x_ref[b, :m] for b in range(fmt.tile_k // _X_BOX)], axis=1).astype(jnp.float32)
+        return acc + jnp.dot(fmt.values(w_ref[...], s_ref[...]), xs.T, precision=lax.Precision.HIGHEST)
+
+    @plgpu.inline_mgpu(arg_types=(_ACC, plgpu.RefType(), plgpu.RefType(), plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((128, 4 * GROUPS), jnp.float32, layout=_ACC))
+    def update(_, acc_in, w_smem, s_smem, x_smem):
+        f32, i32, index = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IndexType.get()
+        i8 = ir.IntegerType.get_signless(8)
+        cst = lambda v, ty=i32: mgpu_utils.c(v, ty)
+        ix = lambda v: arith.index_cast(index, v)
+        words_of = lambda vec: [vector.extract(mgpu_utils.bitcast(vec, ir.VectorType.get((4,), i32)), [], [e])
+                                for e in range(4)]
+        asm = lambda args, text, cons: llvm.inline_asm(i32, args, text, cons)
+        t = mgpu_utils.thread_idx()
+        warp, lane = arith.shrui(t, cst(5)), arith.andi(t, cst(31))
+        g, c = arith.shrui(lane, cst(2)), arith.andi(lane, cst(3))
+        cpb = fmt.codes_per_byte
+        first = arith.muli(arith.addi(arith.muli(warp, cst(64)), arith.muli(c, cst(16))), cst(cpb))  # lane's 1st K
+
+        # x: token g's 16 cpb values from the lane's first K, in 16-byte loads; xw[j] = (x[2j], x[2j + 1])
+        box, col = ix(arith.shrui(first, cst(8))), arith.andi(first, cst(_X_BOX - 1))
+        xw = []
+        for v in range(2 * cpb):
+            xw += words_of(vector.load(ir.VectorType.get((8,), ir.BF16Type.get()), x_smem,
+                                       [box, ix(g), ix(arith.addi(col, cst(8 * v)))]))
+
+        # block scales of the lane's 8 rows for each K block its codes touch, as bf16x2 (s, s)
+        kb0 = arith.shrui(first, cst(fmt.block.bit_length() - 1))
+        word_codes = 4 * cpb
+        blocks = sorted({word_codes * s // fmt.block for s in range(4)})
+        scale = {b: fmt.scale_pairs(vector.load(ir.VectorType.get((8,), i8), s_smem,
+                                                [ix(arith.addi(kb0, cst(b))), ix(arith.muli(g, cst(8)))]))
+                 for b in blocks}
+
+        # B operands of word s's mma e: the x values of the codes in A's k-slots, (x[2e],
+        # x[2e + pair]) and (x[2e + 1], x[2e + 1 + pair]) of the word's x
+        half = fmt.pair // 2
+        per_word = cpb                                       # mmas a word (2 cpb operands) feeds
+        bops = {}
+        for s in range(4):
+            xs = xw[2 * cpb * s:2 * cpb * (s + 1)]
+            for e in range(per_word):
+                bops[s, e] = [asm([xs[e], xs[e + half]], f"prmt.b32 $0, $1, $2, {sel};", "=r,r,r")
+                              for sel in ("0x5410", "0x7632")]
+
+        regs = acc_in.registers.flat[0]
+        accs = [vector.extract(regs, [], [j]) for j in range(4 * GROUPS)]
+        wcol = ix(arith.addi(arith.muli(warp, cst(64)), arith.muli(c, cst(16))))
+        struct = llvm.StructType.get_literal([f32] * 4)
+        for r in range(GROUPS):
+            rows = [ix(arith.addi(arith.muli(g, cst(8)), cst(2 * r + h))) for h in range(2)]
+            codes = [words_of(vector.load(ir.VectorType.get((16,), i8), w_smem, [row, wcol])) for row in rows]
+            for s in range(4):
+                sc = scale[word_codes * s // fmt.block]
+                ops = [[asm([o, sc[2 * r + h]], "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r") for o in fmt.operands(codes[h][s])]
+                       for h in range(2)]
+                for e in range(per_word):
+                    # A: rows g / g + 8 at k-slots (2c, 2c + 1) = operand 2e, (2c + 8, 2c + 9) = 2e + 1
+                    a = [ops[h][2 * e + p] for p in range(2) for h in range(2)]
+                    d = llvm.inline_asm(struct, a + bops[s, e] + accs[4 * r:4 * r + 4], _MMA,
+                                        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+                    accs[4 * r:4 * r + 4] = [llvm.extractvalue(f32, d, [q]) for q in range(4)]
+        out = np.array([vector.from_elements(ir.VectorType.get((4 * GROUPS,), f32), accs)], dtype=object)
+        return mgpu_fa.FragmentedArray(_registers=out, _layout=_ACC.to_mgpu(), _is_signed=None)
+
+    return update(acc, w_ref, s_ref, x_ref)
+
+
+def _owned(t, m, cst):
+    """The (token, row) pairs of an item's output that thread t finishes: row t % 64, tokens
+    t // 64 + 2j below M (as (predicate, token, row) triples)."""
+    row, tok0 = arith.andi(t, cst(ROWS - 1)), arith.shrui(t, cst(6))
+    for j in range(-(-m // 2)):
+        tok = arith.addi(tok0, cst(2 * j))
+        yield arith.cmpi(arith.CmpIPredicate.ult, tok, cst(m)), tok, row
+
+
+def _warp_sums(acc, red_ref, *, m, interpret):
+    """red_ref[0, tok, row] <- the item's sum D[row][tok] over the 4 warps, for the pairs each
+    thread owns (`_owned`); red_ref [4, 8, 64] f32. Thread t's sums (row group r, element q) are
+    D[8g + 2r + q // 2][2c + q % 2]."""
+    if interpret:
+        red_ref[0, pl.ds(0, m)] = acc.T
+        return
+
+    @plgpu.inline_mgpu(arg_types=(_ACC, plgpu.RefType()))
+    def reduce(_, acc_in, red_smem):
+        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+        cst = lambda v, ty=i32: mgpu_utils.c(v, ty)
+        ix = lambda v: arith.index_cast(index, v)
+        t = mgpu_utils.thread_idx()
+        warp, lane = arith.shrui(t, cst(5)), arith.andi(t, cst(31))
+        g, c = arith.shrui(lane, cst(2)), arith.andi(lane, cst(3))
+        regs = acc_in.registers.flat[0]
+        for r in range(GROUPS):
+            for q in range(4):
+                tok = arith.addi(arith.muli(c, cst(2)), cst(q % 2))
+                row = arith.addi(arith.muli(g, cst(8)), cst(2 * r + q // 2))
+                memref.store(vector.extract(regs, [], [4 * r + q]), red_smem, [ix(warp), ix(tok), ix(row)])
+        mgpu_utils.warpgroup_barrier()
+        for pred, tok, row in _owned(t, m, cst):
+            with mgpu_utils.when(pred):
+                at = lambda w: [cst(w, index), ix(tok), ix(row)]
+                total = memref.load(red_smem, at(0))
+                for w in range(1, 4):
+                    total = arith.addf(total, memref.load(red_smem, at(w)))
+                memref.store(total, red_smem, at(0))
+
+    reduce(acc, red_ref)
+
+
+def _store_partial(red_ref, part_ref, *, m, interpret):
+    """part_ref [M, 64] f32 (global memory) <- red_ref[0] (this CTA's sums over its K range)."""
+    if interpret:
+        part_ref[...] = red_ref[0, pl.ds(0, m)]
+        return
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+    def store(_, red_smem, part_gmem):
+        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+        cst = lambda v, ty=i32: mgpu_utils.c(v, ty)
+        ix = lambda v: arith.index_cast(index, v)
+        for pred, tok, row in _owned(mgpu_utils.thread_idx(), m, cst):
+            with mgpu_utils.when(pred):
+                memref.store(memref.load(red_smem, [cst(0, index), ix(tok), ix(row)]), part_gmem,
+                             [ix(tok), ix(row)])
+
+    store(red_ref, part_ref)
+
+
+def _finish(red_ref, parts_ref, s2_ref, y_ref, *, m, splits, factor, interpret):
+    """y_ref [8, 64] (output dtype; rows past M untouched) <- (red_ref[0] + the other cluster
+    members' sums parts_ref[1:] [splits, M, 64] f32 in global memory) * w_scale_2 * factor."""
+    if interpret:
+        y_ref[pl.ds(0, m)] = (red_ref[0, pl.ds(0, m)] * (s2_ref[0] * factor)).astype(y_ref.dtype)
+        return
+    refs = (red_ref, s2_ref, y_ref) + ((parts_ref,) if splits > 1 else ())
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs))
+    def finish(_, red_smem, s2_smem, y_smem, parts_gmem=None):
+        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+        cst = lambda v, ty=i32: mgpu_utils.c(v, ty)
+        ix = lambda v: arith.index_cast(index, v)
+        s2 = arith.mulf(memref.load(s2_smem, [cst(0, index)]), mgpu_utils.c(factor, ir.F32Type.get()))
+        out_ty = ir.MemRefType(y_smem.type).element_type
+        for pred, tok, row in _owned(mgpu_utils.thread_idx(), m, cst):
+            with mgpu_utils.when(pred):
+                total = memref.load(red_smem, [cst(0, index), ix(tok), ix(row)])
+                for p in range(1, splits):
+                    total = arith.addf(total, memref.load(parts_gmem, [cst(p, index), ix(tok), ix(row)]))
+                total = arith.mulf(total, s2)
+                if out_ty != total.type:
+                    total = arith.truncf(out_ty, total)
+                memref.store(total, y_smem, [ix(tok), ix(row)])
+
+    finish(*refs)
+
+
+def _plan(fmt: Format, n: int, k: int, out_dtype) -> tuple[int, int]:
+    """(CTAs per SM, K splits). A K split is a cluster of CTAs sharing an
+    item, each over its own K tiles: the most that divides the tiles and keeps every CTA of a
+    full grid busy (small N has fewer 64-row items than SMs)."""
+    slot = ROWS * TILE_BYTES + fmt.scale_rows * ROWS + 8 * fmt.tile_k * 2
+    smem = _STAGES * slot + 4 * 8 * ROWS * 4 + 8 * ROWS * jnp.dtype(out_dtype).itemsize + 4
+    per_sm = max(1, min(_CTAS_PER_SM, _SM_SMEM // (smem + _CTA_SMEM_RESERVE)))
+    items, kt = n // ROWS, k // fmt.tile_k
+    fit = max(1, min(MAX_SPLITS, kt, num_sms() * per_sm // items))
+    return per_sm, max(s for s in range(1, fit + 1) if kt % s == 0)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "interpret"))
+def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
+    """x [M, K] bf16 (2 <= M <= 8), w_bytes uint8 [N, K / codes_per_byte], scales uint8
+    [K / block, N], w_scale_2 f32 (one value) -> [M, N] out_dtype (`supported` shapes).
+
+    With K splits (`_plan`) a cluster's members write their sums to a scratch output and the
+    first adds them after a cluster barrier; the Mosaic GPU interpreter has no clusters, so in
+    interpret mode every member writes its sums and XLA adds them."""
+    m, k = x.shape
+    n = w_bytes.shape[0]
+    if not supported(fmt, m, n, k) or w_bytes.shape[1] * fmt.codes_per_byte != k:
+        raise ValueError(f"{fmt.name} serves 2 <= M <= {MAX_M}, N % {ROWS} == 0, K % {fmt.tile_k} == 0 with codes "
+                         f"of K / {fmt.codes_per_byte} bytes; got M={m}, N={n}, K={k}, codes {w_bytes.shape}")
+    per_sm, splits = _plan(fmt, n, k, out_dtype)
+    items, kts = n // ROWS, k // fmt.tile_k // splits
+    clusters = min(items, num_sms() * per_sm // splits)
+    s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
+    emulated = interpret and splits > 1              # members' sums added by XLA
+    x_boxes = fmt.tile_k // _X_BOX
+
+    def kernel(x_ref, w_ref, s_ref, s2_ref, y_ref, *refs):
+        part_ref = refs[0] if splits > 1 else None
+        x_smem, w_smem, s_smem, red_smem, y_smem, s2_smem, bar, *cbar = refs[splits > 1:]
+        cl, member = lax.axis_index("c"), lax.axis_index("s")
+        tiles = lax.div(items - cl + clusters - 1, clusters) * kts   # items cl, cl + clusters, ... x K tiles
+
+        def where(i):
+            return cl + lax.div(i, kts) * clusters, member * kts + lax.rem(i, kts)
+
+        def issue(i, slot):
+            item, kc = where(i)
+            b = bar.at[slot]
+            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(item * ROWS, ROWS), pl.ds(kc * TILE_BYTES, TILE_BYTES)],
+                                    w_smem.at[slot], b)
+            plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(kc * fmt.scale_rows, fmt.scale_rows), pl.ds(item * ROWS, ROWS)],
+                                    s_smem.at[slot], b)
+            for h in range(x_boxes):
+                plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(kc * fmt.tile_k + h * _X_BOX, _X_BOX)],
+                                        x_smem.at[slot, h, pl.ds(0, m)], b)
+
+        for p in range(_STAGES):
+            @pl.when(p < tiles)
+            def _():
+                issue(p, p)
+        s2_smem[0] = s2_ref[0]
+
+        def step(i, acc):
+            slot = lax.rem(i, _STAGES)
+            item, _ = where(i)
+            plgpu.barrier_wait(bar.at[slot])
+            acc = _tile_update(fmt, acc, w_smem.at[slot], s_smem.at[slot], x_smem.at[slot], m=m, interpret=interpret)
+            plgpu.commit_smem()                               # every thread is done with the slot
+
+            @pl.when(i + _STAGES < tiles)
+            def _():
+                issue(i + _STAGES, slot)
+
+            last = lax.rem(i, kts) == kts - 1
+            rows = pl.ds(item * ROWS, ROWS)
+
+            @pl.when(last)
+            def _():
+                _warp_sums(acc, red_smem, m=m, interpret=interpret)
+                if emulated:
+                    _store_partial(red_smem, part_ref.at[member, :, rows], m=m, interpret=True)
+                    return
+                if splits > 1:
+                    pl.when(member != 0)(lambda: _store_partial(red_smem, part_ref.at[member, :, rows], m=m,
+                                                                interpret=interpret))
+                    gpu_fence()
+                    plgpu.barrier_arrive(cbar[0].at[0])
+                    plgpu.barrier_wait(cbar[0].at[0])
+
+                @pl.when(member == 0)
+                def _():
+                    if splits > 1:
+                        gpu_fence()
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # y_smem free again
+                    _finish(red_smem, part_ref.at[:, :, rows] if splits > 1 else None, s2_smem, y_smem, m=m,
+                            splits=splits, factor=fmt.factor, interpret=interpret)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(y_smem.at[pl.ds(0, m)], y_ref.at[:, rows])
+
+            return jnp.where(jnp.broadcast_to(last, acc.shape), jnp.zeros_like(acc), acc)
+
+        if interpret:
+            zero = jnp.zeros((ROWS, m), jnp.float32)
+        else:
+            zero = plgpu.layout_cast(jnp.zeros((128, 4 * GROUPS), jnp.float32), _ACC)
+        lax.fori_loop(0, tiles, step, zero)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel.__name__ = fmt.name
+    if splits == 1 or interpret:
+        layout = dict(grid=(clusters, splits), grid_names=("c", "s"))
+    else:
+        layout = dict(grid=(clusters,), grid_names=("c",), cluster=(splits,), cluster_names=("s",))
+    merged = splits > 1 and not interpret
+    call = plgpu.kernel(
+        kernel, out_type=(jax.ShapeDtypeStruct((m, n), out_dtype),
+                          *([jax.ShapeDtypeStruct((splits, m, n), jnp.float32)] if splits > 1 else [])),
+        scratch_types=[plgpu.SMEM((_STAGES, x_boxes, 8, _X_BOX), jnp.bfloat16),
+                       plgpu.SMEM((_STAGES, ROWS, TILE_BYTES), jnp.uint8),
+                       plgpu.SMEM((_STAGES, fmt.scale_rows, ROWS), jnp.uint8),
+                       plgpu.SMEM((4, 8, ROWS), jnp.float32),
+                       plgpu.SMEM((8, ROWS), out_dtype),
+                       plgpu.SMEM((1,), jnp.float32),
+                       plgpu.Barrier(num_arrivals=2 + x_boxes, num_barriers=_STAGES),
+                       *([plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1, num_barriers=1)] if merged
+                         else [])],
+        **layout,
+        compiler_params=hand_synced(approx_math=False),
+        **interpret_kwargs(interpret))
+    out = call(x.astype(jnp.bfloat16), w_bytes, scales, s2)
+    if emulated:
+        return (out[1].sum(0) * (s2[0] * fmt.factor)).astype(out_dtype)
+    return out[0]
