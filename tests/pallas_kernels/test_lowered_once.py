@@ -23,8 +23,9 @@ def test_three_equal_matmul_calls_lower_one_kernel():
     assert mosaic_kernels(lambda x, a, b, c: dense_matmul(x, a) + dense_matmul(x, b) + dense_matmul(x, c),
                           x, w, w, w) == 1
     w8, s8 = S((256, 512), jnp.float8_e4m3fn), S((512 // 32, 256), jnp.uint8)
-    assert mosaic_kernels(lambda x, a, sa, b, sb: mxfp8_matmul(x, a, sa) + mxfp8_matmul(x, b, sb),
-                          x, w8, s8, w8, s8) == 1
+    for xq in (x, S((4, 512), jnp.bfloat16)):          # the one-row GEMV, the mma GEMV
+        assert mosaic_kernels(lambda x, a, sa, b, sb: mxfp8_matmul(x, a, sa) + mxfp8_matmul(x, b, sb),
+                              xq, w8, s8, w8, s8) == 1
     # a different shape is a different kernel
     assert mosaic_kernels(lambda x, a, b: dense_matmul(x, a).sum() + dense_matmul(x, b).sum(),
                           x, w, S((512, 512), jnp.bfloat16)) == 2
