@@ -44,7 +44,7 @@ def _decode(w0, w1):
     return vals
 
 
-def _convert(sv):
+def e4m3_scales(sv):
     """ROWS e4m3 scales -> fp32, two per `cvt.rn.f16x2.e4m3x2`."""
     i16, i32, f32 = (ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32),
                      ir.F32Type.get())
@@ -74,7 +74,7 @@ def _scale_values(s):
 
 FORMAT = row_gemv.Format(name="nvfp4_gemv", per_thread=16, block=BLOCK, factor=2.0 ** 14,
                          decode=_decode, values=_values,
-                         scales=row_gemv.row_scales(BLOCK, 16, _convert, _scale_values))
+                         scales=row_gemv.row_scales(BLOCK, 16, e4m3_scales, _scale_values))
 
 
 def supported(m: int, n: int, k: int) -> bool:

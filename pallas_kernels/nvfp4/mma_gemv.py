@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, vector
+from jax._src.lib.mlir.dialects import arith, llvm
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from pallas_kernels import mma_gemv
@@ -39,16 +39,10 @@ def _operands(word):
 
 def _scale_pairs(sv):
     """8 e4m3 scales -> bf16x2 (scale * 2^116, the same)."""
-    i16, i32, f32 = (ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32), ir.F32Type.get())
-    pairs = mgpu_utils.bitcast(sv, ir.VectorType.get((4,), i16))
-    out = []
-    for p in range(4):
-        h = llvm.inline_asm(i32, [vector.extract(pairs, [], [p])], "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h")
-        hv = arith.extf(ir.VectorType.get((2,), f32), mgpu_utils.bitcast(h, ir.VectorType.get((2,), ir.F16Type.get())))
-        for e in range(2):
-            v = arith.mulf(vector.extract(hv, [], [e]), mgpu_utils.c(2.0 ** 116, f32))
-            out.append(llvm.inline_asm(i32, [v, v], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f"))
-    return out
+    i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+    big = mgpu_utils.c(2.0 ** 116, f32)
+    return [llvm.inline_asm(i32, [v, v], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
+            for v in (arith.mulf(s, big) for s in one_row.e4m3_scales(sv))]
 
 
 def _values(codes, scales):
