@@ -27,9 +27,11 @@ than an SM issues while HBM streams the codes. Here a thread decodes each code o
 * at an item's end the 4 warps' partial [64, M] sums meet in shared memory, are multiplied by
   `Format.factor * w_scale_2` and leave by TMA in the output dtype.
 
-Two 8-token column blocks for 9-16 rows ran 2.5x slower than one on the H200 (RESULTS.md), so M
-stops at 8. Interpret mode (CPU tests) runs the same ring and epilogue with jnp tile math
-(`Format.values`).
+Shared-memory loads are 16 bytes with their alignment stated: without it the compiler split
+some of them into 2-byte loads (with 16-way bank conflicts; that made two 8-token column blocks
+for 9-16 rows 2.5x slower than one). Even so, two column blocks were no faster than the wgmma
+engine for 9-16 rows on the H200 (RESULTS.md, part 28), so M stops at 8. Interpret mode (CPU
+tests) runs the same ring and epilogue with jnp tile math (`Format.values`).
 """
 
 from __future__ import annotations
@@ -122,14 +124,14 @@ def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, m, interpret):
         xw = []
         for v in range(2 * cpb):
             xw += words_of(vector.load(ir.VectorType.get((8,), ir.BF16Type.get()), x_smem,
-                                       [box, ix(g), ix(arith.addi(col, cst(8 * v)))]))
+                                       [box, ix(g), ix(arith.addi(col, cst(8 * v)))], alignment=16))
 
         # block scales of the lane's 8 rows for each K block its codes touch, as bf16x2 (s, s)
         kb0 = arith.shrui(first, cst(fmt.block.bit_length() - 1))
         word_codes = 4 * cpb
         blocks = sorted({word_codes * s // fmt.block for s in range(4)})
         scale = {b: fmt.scale_pairs(vector.load(ir.VectorType.get((8,), i8), s_smem,
-                                                [ix(arith.addi(kb0, cst(b))), ix(arith.muli(g, cst(8)))]))
+                                                [ix(arith.addi(kb0, cst(b))), ix(arith.muli(g, cst(8)))], alignment=8))
                  for b in blocks}
 
         # B operands of word s's mma e: the x values of the codes in A's k-slots, (x[2e],
@@ -149,7 +151,8 @@ def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, m, interpret):
         struct = llvm.StructType.get_literal([f32] * 4)
         for r in range(GROUPS):
             rows = [ix(arith.addi(arith.muli(g, cst(8)), cst(2 * r + h))) for h in range(2)]
-            codes = [words_of(vector.load(ir.VectorType.get((16,), i8), w_smem, [row, wcol])) for row in rows]
+            codes = [words_of(vector.load(ir.VectorType.get((16,), i8), w_smem, [row, wcol], alignment=16))
+                     for row in rows]
             for s in range(4):
                 sc = scale[word_codes * s // fmt.block]
                 ops = [[asm([o, sc[2 * r + h]], "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r") for o in fmt.operands(codes[h][s])]
