@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import llvm, vector
+from jax._src.lib.mlir.dialects import arith, llvm, vector
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -48,6 +48,16 @@ def hand_synced(**params) -> plgpu.CompilerParams:
     stores it must follow (the KDA kernels are tested so); a missing barrier between the warps
     of one warpgroup, or before a store into a wgmma operand, only the GPU tests can show."""
     return plgpu.CompilerParams(unsafe_no_auto_barriers=True, **params)
+
+
+def cst(v, ty=None):
+    """Inside inline Mosaic GPU code: the constant v of type ty (i32 unless given)."""
+    return mgpu_utils.c(v, ty if ty is not None else ir.IntegerType.get_signless(32))
+
+
+def ix(v):
+    """Inside inline Mosaic GPU code: an integer value as an index."""
+    return arith.index_cast(ir.IndexType.get(), v)
 
 
 def gpu_fence():

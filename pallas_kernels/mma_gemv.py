@@ -51,7 +51,7 @@ from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import gpu_fence, hand_synced, interpret_kwargs, num_sms
+from pallas_kernels.common import cst, gpu_fence, hand_synced, interpret_kwargs, ix, num_sms
 
 ROWS = 64                    # weight rows per item
 GROUPS = ROWS // 16          # m16 row groups per item
@@ -106,10 +106,8 @@ def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, m, interpret):
     @plgpu.inline_mgpu(arg_types=(_ACC, plgpu.RefType(), plgpu.RefType(), plgpu.RefType()),
                        return_type=plgpu.ShapeDtypeStruct((128, 4 * GROUPS), jnp.float32, layout=_ACC))
     def update(_, acc_in, w_smem, s_smem, x_smem):
-        f32, i32, index = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IndexType.get()
+        f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
         i8 = ir.IntegerType.get_signless(8)
-        cst = lambda v, ty=i32: mgpu_utils.c(v, ty)
-        ix = lambda v: arith.index_cast(index, v)
         words_of = lambda vec: [vector.extract(mgpu_utils.bitcast(vec, ir.VectorType.get((4,), i32)), [], [e])
                                 for e in range(4)]
         asm = lambda args, text, cons: llvm.inline_asm(i32, args, text, cons)
@@ -188,9 +186,7 @@ def _warp_sums(acc, red_ref, *, m, interpret):
 
     @plgpu.inline_mgpu(arg_types=(_ACC, plgpu.RefType()))
     def reduce(_, acc_in, red_smem):
-        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-        cst = lambda v, ty=i32: mgpu_utils.c(v, ty)
-        ix = lambda v: arith.index_cast(index, v)
+        index = ir.IndexType.get()
         t = mgpu_utils.thread_idx()
         warp, lane = arith.shrui(t, cst(5)), arith.andi(t, cst(31))
         g, c = arith.shrui(lane, cst(2)), arith.andi(lane, cst(3))
@@ -220,9 +216,7 @@ def _store_partial(red_ref, part_ref, *, m, interpret):
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
     def store(_, red_smem, part_gmem):
-        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-        cst = lambda v, ty=i32: mgpu_utils.c(v, ty)
-        ix = lambda v: arith.index_cast(index, v)
+        index = ir.IndexType.get()
         for pred, tok, row in _owned(mgpu_utils.thread_idx(), m, cst):
             with mgpu_utils.when(pred):
                 memref.store(memref.load(red_smem, [cst(0, index), ix(tok), ix(row)]), part_gmem,
@@ -241,9 +235,7 @@ def _finish(red_ref, parts_ref, s2_ref, y_ref, *, m, splits, factor, interpret):
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs))
     def finish(_, red_smem, s2_smem, y_smem, parts_gmem=None):
-        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-        cst = lambda v, ty=i32: mgpu_utils.c(v, ty)
-        ix = lambda v: arith.index_cast(index, v)
+        index = ir.IndexType.get()
         s2 = arith.mulf(memref.load(s2_smem, [cst(0, index)]), mgpu_utils.c(factor, ir.F32Type.get()))
         out_ty = ir.MemRefType(y_smem.type).element_type
         for pred, tok, row in _owned(mgpu_utils.thread_idx(), m, cst):

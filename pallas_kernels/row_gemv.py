@@ -46,7 +46,7 @@ from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import hand_synced, interpret_kwargs, num_sms
+from pallas_kernels.common import cst, hand_synced, interpret_kwargs, ix, num_sms
 
 ROWS = 16                    # weight rows per item (and per tile)
 ROW_BYTES = 1024             # bytes of codes per row and tile: 8 per thread
@@ -173,8 +173,6 @@ def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, interpret):
     def update(_, acc_in, w_smem, x_smem, s_smem=None):
         f32, i32, index = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IndexType.get()
         i8 = ir.IntegerType.get_signless(8)
-        cst = lambda v, ty=i32: mgpu_utils.c(v, ty)
-        ix = lambda v: arith.index_cast(index, v)
         t = mgpu_utils.thread_idx()
         warp, lane = arith.shrui(t, cst(5)), arith.andi(t, cst(31))
         # x[pt t .. pt t + pt - 1]: row (pt t) // 256 of the chunk, column (pt t) % 256
@@ -218,9 +216,7 @@ def _rms_normalize(x_ref, w_ref, red_ref, *, k, eps, interpret):
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)
     def normalize(_, x_smem, w_smem, red_smem):
-        f32, i32, index = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IndexType.get()
-        cst = lambda v, ty=i32: mgpu_utils.c(v, ty)
-        ix = lambda v: arith.index_cast(index, v)
+        f32, index = ir.F32Type.get(), ir.IndexType.get()
         t = mgpu_utils.thread_idx()
         warp, lane = arith.shrui(t, cst(5)), arith.andi(t, cst(31))
         bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
@@ -298,9 +294,7 @@ def _item_sums(fmt, acc, red_ref, s2_ref, y_ref, res_ref, *, interpret, s2_at=0,
     @plgpu.inline_mgpu(arg_types=(_ACC,) + (plgpu.RefType(),) * len(refs))
     def reduce(_, acc_in, red_smem, s2_smem, y_smem, extra_smem=None):
         res_smem, gate_smem = (extra_smem, None) if res_ref is not None else (None, extra_smem)
-        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-        cst = lambda v, ty=i32: mgpu_utils.c(v, ty)
-        ix = lambda v: arith.index_cast(index, v)
+        index = ir.IndexType.get()
         t = mgpu_utils.thread_idx()
         warp, lane = arith.shrui(t, cst(5)), arith.andi(t, cst(31))
         vals = [vector.extract(acc_in.registers.flat[0], [], [r]) for r in range(ROWS)]

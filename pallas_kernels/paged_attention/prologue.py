@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import hand_synced, interpret_kwargs
+from pallas_kernels.common import cst, hand_synced, interpret_kwargs, ix
 
 HEAD_DIM = 128          # one element per thread of the warpgroup
 
@@ -88,10 +88,8 @@ def _normalize_rotate(in_ref, w_ref, cs_ref, tmp_ref, red_ref, oq_ref, ok_ref, *
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 7)
     def compute(_, in_smem, w_smem, cs_smem, tmp_smem, red_smem, oq_smem, ok_smem):
-        f32, i32, index = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IndexType.get()
+        f32, index = ir.F32Type.get(), ir.IndexType.get()
         bf16 = ir.BF16Type.get()
-        cst = lambda v, ty=i32: mgpu_utils.c(v, ty)
-        ix = lambda v: arith.index_cast(index, v)
         fc = lambda v: mgpu_utils.c(v, f32)
         t = mgpu_utils.thread_idx()
         warp, lane = arith.shrui(t, cst(5)), arith.andi(t, cst(31))
