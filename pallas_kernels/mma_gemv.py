@@ -24,8 +24,10 @@ than an SM issues while HBM streams the codes. Here a thread decodes each code o
 * each lane sums its codes in its own K order; x, the B operand, follows the same order (token
   g's pairs by `prmt` from 16-byte loads), so every mma is a sum of exact products of bf16
   values in fp32 (the jnp twins' numerics up to the summation order);
-* at an item's end the 4 warps' partial [64, M] sums meet in shared memory, are multiplied by
-  `Format.factor * w_scale_2` and leave by TMA in the output dtype.
+* at an item's end the 4 warps' partial [64, M] sums meet in shared memory; with a K split the
+  other cluster members store theirs into the first member's shared memory (distributed shared
+  memory, no round trip through HBM); the first multiplies the total by `Format.factor *
+  w_scale_2` and its threads store it straight to the output (64 rows of a token coalesced).
 
 Shared-memory loads are 16 bytes with their alignment stated: without it the compiler split
 some of them into 2-byte loads (with 16-way bank conflicts; that made two 8-token column blocks
@@ -45,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
+from jax._src.lib.mlir.dialects import arith, gpu, llvm, memref, vector
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -62,7 +64,7 @@ _CTAS_PER_SM = 3             # at most; fewer where shared memory runs out
 _SM_SMEM = 228 * 1024
 _CTA_SMEM_RESERVE = 2 * 1024
 MAX_M = 8                    # tokens: one n8 column block
-MAX_SPLITS = 8               # K splits: CTAs of a cluster (the portable cluster size)
+_MIN_TILES = 4               # K tiles a CTA of a split streams at least (`_plan`)
 
 _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
@@ -209,58 +211,67 @@ def _warp_sums(acc, red_ref, *, m, interpret):
 
 
 def _store_partial(red_ref, part_ref, *, m, interpret):
-    """part_ref [M, 64] f32 (global memory) <- red_ref[0] (this CTA's sums over its K range)."""
+    """This CTA's sums over its K range, red_ref[0], to its cluster's first CTA. GPU: part_ref
+    [8, 64] f32 is this CTA's slot of the parts buffer, and the sums go to the same slot of the
+    first CTA's (distributed shared memory). Interpret mode (no clusters): part_ref [M, 64] is a
+    slice of a global output whose members' sums XLA adds."""
     if interpret:
         part_ref[...] = red_ref[0, pl.ds(0, m)]
         return
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
-    def store(_, red_smem, part_gmem):
+    def store(_, red_smem, part_smem):
         index = ir.IndexType.get()
+        first = mgpu_utils.get_cluster_ref(part_smem, gpu.Dimension.x, cst(0, index))
         for pred, tok, row in _owned(mgpu_utils.thread_idx(), m, cst):
             with mgpu_utils.when(pred):
-                memref.store(memref.load(red_smem, [cst(0, index), ix(tok), ix(row)]), part_gmem,
-                             [ix(tok), ix(row)])
+                memref.store(memref.load(red_smem, [cst(0, index), ix(tok), ix(row)]), first, [ix(tok), ix(row)])
 
     store(red_ref, part_ref)
 
 
 def _finish(red_ref, parts_ref, s2_ref, y_ref, *, m, splits, factor, interpret):
-    """y_ref [8, 64] (output dtype; rows past M untouched) <- (red_ref[0] + the other cluster
-    members' sums parts_ref[1:] [splits, M, 64] f32 in global memory) * w_scale_2 * factor."""
+    """y_ref [M, 64] (global memory, output dtype) <- (red_ref[0] + the other cluster members'
+    sums parts_ref [splits - 1, 8, 64] f32 in shared memory) * w_scale_2 * factor."""
     if interpret:
-        y_ref[pl.ds(0, m)] = (red_ref[0, pl.ds(0, m)] * (s2_ref[0] * factor)).astype(y_ref.dtype)
+        y_ref[...] = (red_ref[0, pl.ds(0, m)] * (s2_ref[0] * factor)).astype(y_ref.dtype)
         return
     refs = (red_ref, s2_ref, y_ref) + ((parts_ref,) if splits > 1 else ())
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs))
-    def finish(_, red_smem, s2_smem, y_smem, parts_gmem=None):
+    def finish(_, red_smem, s2_smem, y_gmem, parts_smem=None):
         index = ir.IndexType.get()
         s2 = arith.mulf(memref.load(s2_smem, [cst(0, index)]), mgpu_utils.c(factor, ir.F32Type.get()))
-        out_ty = ir.MemRefType(y_smem.type).element_type
+        out_ty = ir.MemRefType(y_gmem.type).element_type
         for pred, tok, row in _owned(mgpu_utils.thread_idx(), m, cst):
             with mgpu_utils.when(pred):
                 total = memref.load(red_smem, [cst(0, index), ix(tok), ix(row)])
-                for p in range(1, splits):
-                    total = arith.addf(total, memref.load(parts_gmem, [cst(p, index), ix(tok), ix(row)]))
+                for p in range(splits - 1):
+                    total = arith.addf(total, memref.load(parts_smem, [cst(p, index), ix(tok), ix(row)]))
                 total = arith.mulf(total, s2)
                 if out_ty != total.type:
                     total = arith.truncf(out_ty, total)
-                memref.store(total, y_smem, [ix(tok), ix(row)])
+                memref.store(total, y_gmem, [ix(tok), ix(row)])
 
     finish(*refs)
 
 
-def _plan(fmt: Format, n: int, k: int, out_dtype) -> tuple[int, int]:
-    """(CTAs per SM, K splits). A K split is a cluster of CTAs sharing an
-    item, each over its own K tiles: the most that divides the tiles and keeps every CTA of a
-    full grid busy (small N has fewer 64-row items than SMs)."""
+def _plan(fmt: Format, n: int, k: int) -> tuple[int, int]:
+    """(CTAs per SM, K splits). A K split is a cluster of 2, 4 or 8 CTAs sharing an item, each
+    over its own K tiles. Where N has fewer 64-row items than the grid has CTAs, the most splits
+    that divide the tiles, leave each CTA at least _MIN_TILES of them and keep every cluster in
+    the first wave, so that with splits every cluster takes one item. Sweeps of forced splits on
+    the H200 (RESULTS.md, part 29) found short CTAs costlier than idle SMs (4096x4096 NVFP4: 2
+    splits, 4 tiles a CTA on 128 SMs, 6.2 us; 4 splits 7.0; 8 splits 9.7), and clusters of 3 and
+    6 placed badly (a second wave at 4096x12288, part 28)."""
     slot = ROWS * TILE_BYTES + fmt.scale_rows * ROWS + 8 * fmt.tile_k * 2
-    smem = _STAGES * slot + 4 * 8 * ROWS * 4 + 8 * ROWS * jnp.dtype(out_dtype).itemsize + 4
-    per_sm = max(1, min(_CTAS_PER_SM, _SM_SMEM // (smem + _CTA_SMEM_RESERVE)))
     items, kt = n // ROWS, k // fmt.tile_k
-    fit = max(1, min(MAX_SPLITS, kt, num_sms() * per_sm // items))
-    return per_sm, max(s for s in range(1, fit + 1) if kt % s == 0)
+    for per_sm in range(_CTAS_PER_SM, 0, -1):
+        splits = max(s for s in (1, 2, 4, 8) if kt % s == 0 and (
+            s == 1 or (kt // s >= _MIN_TILES and items * s <= num_sms() * per_sm)))
+        smem = _STAGES * slot + 4 * 8 * ROWS * 4 + 4 + (splits - 1) * 8 * ROWS * 4     # ring, sums, parts
+        if per_sm == 1 or per_sm * (smem + _CTA_SMEM_RESERVE) <= _SM_SMEM:
+            return per_sm, splits
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "interpret"))
@@ -268,15 +279,16 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
     """x [M, K] bf16 (2 <= M <= 8), w_bytes uint8 [N, K / codes_per_byte], scales uint8
     [K / block, N], w_scale_2 f32 (one value) -> [M, N] out_dtype (`supported` shapes).
 
-    With K splits (`_plan`) a cluster's members write their sums to a scratch output and the
-    first adds them after a cluster barrier; the Mosaic GPU interpreter has no clusters, so in
-    interpret mode every member writes its sums and XLA adds them."""
+    With K splits (`_plan`) a cluster's members write their sums into the first member's shared
+    memory and the first adds them after a cluster barrier; the Mosaic GPU interpreter has no
+    clusters, so in interpret mode every member writes its sums to a scratch output and XLA adds
+    them."""
     m, k = x.shape
     n = w_bytes.shape[0]
     if not supported(fmt, m, n, k) or w_bytes.shape[1] * fmt.codes_per_byte != k:
         raise ValueError(f"{fmt.name} serves 2 <= M <= {MAX_M}, N % {ROWS} == 0, K % {fmt.tile_k} == 0 with codes "
                          f"of K / {fmt.codes_per_byte} bytes; got M={m}, N={n}, K={k}, codes {w_bytes.shape}")
-    per_sm, splits = _plan(fmt, n, k, out_dtype)
+    per_sm, splits = _plan(fmt, n, k)
     items, kts = n // ROWS, k // fmt.tile_k // splits
     clusters = min(items, num_sms() * per_sm // splits)
     s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
@@ -284,8 +296,8 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
     x_boxes = fmt.tile_k // _X_BOX
 
     def kernel(x_ref, w_ref, s_ref, s2_ref, y_ref, *refs):
-        part_ref = refs[0] if splits > 1 else None
-        x_smem, w_smem, s_smem, red_smem, y_smem, s2_smem, bar, *cbar = refs[splits > 1:]
+        part_ref = refs[0] if emulated else None
+        x_smem, w_smem, s_smem, red_smem, s2_smem, bar, *merge = refs[emulated:]
         cl, member = lax.axis_index("c"), lax.axis_index("s")
         tiles = lax.div(items - cl + clusters - 1, clusters) * kts   # items cl, cl + clusters, ... x K tiles
 
@@ -329,22 +341,21 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
                 if emulated:
                     _store_partial(red_smem, part_ref.at[member, :, rows], m=m, interpret=True)
                     return
-                if splits > 1:
-                    pl.when(member != 0)(lambda: _store_partial(red_smem, part_ref.at[member, :, rows], m=m,
+                parts = None
+                if splits > 1:       # one item a cluster (`_plan`): the parts buffer is written once
+                    parts, cbar = merge
+                    pl.when(member != 0)(lambda: _store_partial(red_smem, parts.at[member - 1], m=m,
                                                                 interpret=interpret))
                     gpu_fence()
-                    plgpu.barrier_arrive(cbar[0].at[0])
-                    plgpu.barrier_wait(cbar[0].at[0])
+                    plgpu.barrier_arrive(cbar.at[0])
+                    plgpu.barrier_wait(cbar.at[0])
 
                 @pl.when(member == 0)
                 def _():
                     if splits > 1:
                         gpu_fence()
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # y_smem free again
-                    _finish(red_smem, part_ref.at[:, :, rows] if splits > 1 else None, s2_smem, y_smem, m=m,
-                            splits=splits, factor=fmt.factor, interpret=interpret)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(y_smem.at[pl.ds(0, m)], y_ref.at[:, rows])
+                    _finish(red_smem, parts, s2_smem, y_ref.at[:, rows], m=m, splits=splits, factor=fmt.factor,
+                            interpret=interpret)
 
             return jnp.where(jnp.broadcast_to(last, acc.shape), jnp.zeros_like(acc), acc)
 
@@ -353,7 +364,6 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
         else:
             zero = plgpu.layout_cast(jnp.zeros((128, 4 * GROUPS), jnp.float32), _ACC)
         lax.fori_loop(0, tiles, step, zero)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel.__name__ = fmt.name
     if splits == 1 or interpret:
@@ -363,15 +373,15 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
     merged = splits > 1 and not interpret
     call = plgpu.kernel(
         kernel, out_type=(jax.ShapeDtypeStruct((m, n), out_dtype),
-                          *([jax.ShapeDtypeStruct((splits, m, n), jnp.float32)] if splits > 1 else [])),
+                          *([jax.ShapeDtypeStruct((splits, m, n), jnp.float32)] if emulated else [])),
         scratch_types=[plgpu.SMEM((_STAGES, x_boxes, 8, _X_BOX), jnp.bfloat16),
                        plgpu.SMEM((_STAGES, ROWS, TILE_BYTES), jnp.uint8),
                        plgpu.SMEM((_STAGES, fmt.scale_rows, ROWS), jnp.uint8),
                        plgpu.SMEM((4, 8, ROWS), jnp.float32),
-                       plgpu.SMEM((8, ROWS), out_dtype),
                        plgpu.SMEM((1,), jnp.float32),
                        plgpu.Barrier(num_arrivals=2 + x_boxes, num_barriers=_STAGES),
-                       *([plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1, num_barriers=1)] if merged
+                       *([plgpu.SMEM((splits - 1, 8, ROWS), jnp.float32),
+                          plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1, num_barriers=1)] if merged
                          else [])],
         **layout,
         compiler_params=hand_synced(approx_math=False),

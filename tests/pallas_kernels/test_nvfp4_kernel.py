@@ -75,15 +75,16 @@ def test_gemv_serves_one_row_of_whole_boxes():
 
 
 @pytest.mark.parametrize("m,n,k,sms,splits", [
-    (2, 64, 1536, None, 3),     # one item: its 3 K tiles split over a cluster of 3
-    (5, 128, 4096, None, 8),    # 2 items, 8 tiles: clusters of 8, one tile each
+    (2, 64, 4096, None, 2),     # one item: its 8 K tiles split over a cluster of 2, 4 each
+    (5, 128, 16384, None, 8),   # 2 items, 32 tiles: clusters of 8, 4 tiles each
+    (4, 64, 3072, None, 1),     # 6 tiles: 3 a CTA would be too few to split
     (8, 320, 2048, 1, 1),       # 3 CTAs share five items (unevenly), 4 tiles each refill the ring
 ])
 def test_few_rows_run_the_mma_gemv(m, n, k, sms, splits, gemv_spy):
     """2-8 activation rows go to the tensor-core GEMV; K splits (the interpreter adds the members'
     sums in XLA, the GPU in the kernel) and the ring's refills give the oracle's result."""
     calls = gemv_spy(mma_gemv, sms, items=n // 64, tiles=k // 512, kernel=mma_kernel)
-    assert mma_kernel._plan(mma_gemv.FORMAT, n, k, jnp.float32)[1] == splits
+    assert mma_kernel._plan(mma_gemv.FORMAT, n, k)[1] == splits
     x, *w = make(m, n, k, seed=n + m)
     y = matmul_kernel(x, *w, out_dtype=jnp.float32, interpret=True)
     assert calls and y.shape == (m, n)
@@ -123,10 +124,10 @@ def test_lowers_for_hopper(m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 4096, 12288), (1, 256, 1024), (1, 4096, 7168),
                                    (300, 512, 1024), (2, 4096, 4096), (8, 4096, 12288), (5, 2048, 4096),
-                                   (3, 12288, 4096)])
+                                   (3, 12288, 4096), (4, 256, 16384)])
 def test_compiled_kernel_matches_oracle(m, n, k):
     """M = 1 with K a multiple of 2048 runs the GEMV, K = 1024 the engine; M = 2-8 the mma GEMV
-    (K split over clusters of 4, 6, 8 and 2 CTAs)."""
+    (K split over clusters of 2, 4 and 8 CTAs)."""
     x, *w = make(m, n, k, seed=7)
     assert orc.rel_err(matmul(x, *w, backend="pallas", out_dtype=jnp.float32), oracle(x, *w)) < 1e-4
 
