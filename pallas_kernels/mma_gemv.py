@@ -64,7 +64,7 @@ _CTAS_PER_SM = 3             # at most; fewer where shared memory runs out
 _SM_SMEM = 228 * 1024
 _CTA_SMEM_RESERVE = 2 * 1024
 MAX_M = 8                    # tokens: one n8 column block
-_MIN_TILES = 4               # K tiles a CTA of a split streams at least (`_plan`)
+_MIN_K = 1024                # codes along K a CTA of a split streams at least (`_plan`)
 
 _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
@@ -82,6 +82,8 @@ class Format(NamedTuple):
     scale_pairs: Callable  # inline: vector<8 x i8> of 8 rows' scale bytes -> 8 i32 bf16x2 (s, s)
     values: Callable    # jnp: (codes u8 [64, 256], scales u8 [tile K / block, 64]) -> [64, tile K]
                         # f32 operand values times their scales, as the GPU multiplies them
+    issue_bound: bool = False   # decoding, not memory, bounds a tile: of equally loaded plans
+                                # the one with the fewest K splits (`_plan`)
 
     @property
     def tile_k(self) -> int:
@@ -258,17 +260,20 @@ def _finish(red_ref, parts_ref, s2_ref, y_ref, *, m, splits, factor, interpret):
 
 def _plan(fmt: Format, n: int, k: int) -> tuple[int, int]:
     """(CTAs per SM, K splits). A K split is a cluster of 2, 4 or 8 CTAs sharing an item, each
-    over its own K tiles. Where N has fewer 64-row items than the grid has CTAs, the most splits
-    that divide the tiles, leave each CTA at least _MIN_TILES of them and keep every cluster in
-    the first wave, so that with splits every cluster takes one item. Sweeps of forced splits on
-    the H200 (RESULTS.md, part 29) found short CTAs costlier than idle SMs (4096x4096 NVFP4: 2
-    splits, 4 tiles a CTA on 128 SMs, 6.2 us; 4 splits 7.0; 8 splits 9.7), and clusters of 3 and
-    6 placed badly (a second wave at 4096x12288, part 28)."""
+    over its own K tiles, at least _MIN_K codes of K. Of the splits that keep every cluster in
+    the first wave (so that with splits every cluster takes one item), the one that leaves the
+    fewest K tiles to the busiest SM, ceil(CTAs / SMs) CTAs of K tiles / splits each; of equally
+    loaded ones, the fewest splits where decoding bounds the tile (NVFP4: more CTAs an SM add
+    merge work, not throughput), else the most (MXFP8: more CTAs an SM keep more bytes in flight).
+    Sweeps of forced splits on the H200 (RESULTS.md, part 30) found this rule's choice fastest or
+    within 1 % on all 12 shapes and formats swept; clusters of 3 and 6 placed badly (a second
+    wave at 4096x12288, part 28)."""
     slot = ROWS * TILE_BYTES + fmt.scale_rows * ROWS + 8 * fmt.tile_k * 2
     items, kt = n // ROWS, k // fmt.tile_k
     for per_sm in range(_CTAS_PER_SM, 0, -1):
-        splits = max(s for s in (1, 2, 4, 8) if kt % s == 0 and (
-            s == 1 or (kt // s >= _MIN_TILES and items * s <= num_sms() * per_sm)))
+        fits = [s for s in (1, 2, 4, 8) if kt % s == 0 and (
+            s == 1 or (kt // s * fmt.tile_k >= _MIN_K and items * s <= num_sms() * per_sm))]
+        splits = min(fits, key=lambda s: (-(-items * s // num_sms()) * (kt // s), s if fmt.issue_bound else -s))
         smem = _STAGES * slot + 4 * 8 * ROWS * 4 + 4 + (splits - 1) * 8 * ROWS * 4     # ring, sums, parts
         if per_sm == 1 or per_sm * (smem + _CTA_SMEM_RESERVE) <= _SM_SMEM:
             return per_sm, splits

@@ -53,7 +53,7 @@ def _values(codes, scales):
 
 
 FORMAT = mma_gemv.Format(name="nvfp4_mma_gemv", codes_per_byte=2, block=BLOCK, pair=4, factor=2.0 ** 10,
-                         operands=_operands, scale_pairs=_scale_pairs, values=_values)
+                         operands=_operands, scale_pairs=_scale_pairs, values=_values, issue_bound=True)
 
 
 def supported(m: int, n: int, k: int) -> bool:

@@ -77,6 +77,7 @@ def test_one_row_runs_the_gemv(n, k, sms, gemv_spy):
     (2, 64, 2048, None, 2),     # one item: its 8 K tiles split over a cluster of 2, 4 each
     (6, 128, 8192, None, 8),    # 2 items, 32 tiles: clusters of 8, 4 tiles each
     (3, 64, 1536, None, 1),     # 6 tiles: 3 a CTA would be too few to split
+    (3, 256, 3072, 4, 2),       # 4 items of 12 tiles, 4 SMs: 1 or 2 splits load an SM alike, the more win
     (8, 320, 1024, 1, 1),       # 3 CTAs share five items (unevenly), 4 tiles each refill the ring
 ])
 def test_few_rows_run_the_mma_gemv(m, n, k, sms, splits, gemv_spy):

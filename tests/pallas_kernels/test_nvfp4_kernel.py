@@ -75,9 +75,10 @@ def test_gemv_serves_one_row_of_whole_boxes():
 
 
 @pytest.mark.parametrize("m,n,k,sms,splits", [
-    (2, 64, 4096, None, 2),     # one item: its 8 K tiles split over a cluster of 2, 4 each
+    (2, 64, 4096, None, 4),     # one item: its 8 K tiles split over a cluster of 4, 2 each
     (5, 128, 16384, None, 8),   # 2 items, 32 tiles: clusters of 8, 4 tiles each
-    (4, 64, 3072, None, 1),     # 6 tiles: 3 a CTA would be too few to split
+    (4, 64, 1024, None, 1),     # 2 tiles: 1 a CTA would be too little K to split
+    (3, 256, 6144, 4, 1),       # 4 items of 12 tiles, 4 SMs: 1 or 2 splits load an SM alike, the fewer win
     (8, 320, 2048, 1, 1),       # 3 CTAs share five items (unevenly), 4 tiles each refill the ring
 ])
 def test_few_rows_run_the_mma_gemv(m, n, k, sms, splits, gemv_spy):
