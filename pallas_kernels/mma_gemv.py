@@ -1,4 +1,4 @@
-"""Weight-streaming GEMV for 2-8 activation rows (decode of small batches, speculative verify)
+"""Weight-streaming GEMV for 2-16 activation rows (decode of small batches, speculative verify)
 on the tensor cores' `mma.sync.m16n8k16` (bf16 operands, fp32 sums), for weight formats whose
 codes dequantize exactly to bf16: NVFP4 (two codes a byte) and MXFP8 (one).
 
@@ -24,6 +24,8 @@ than an SM issues while HBM streams the codes. Here a thread decodes each code o
 * each lane sums its codes in its own K order; x, the B operand, follows the same order (token
   g's pairs by `prmt` from 16-byte loads), so every mma is a sum of exact products of bf16
   values in fp32 (the jnp twins' numerics up to the summation order);
+* 9-16 tokens take a second n8 column block: each A fragment feeds a second mma against tokens
+  8-15, so the decoding, which bounds the tile, is shared by both blocks;
 * at an item's end the 4 warps' partial [64, M] sums meet in shared memory; with a K split the
   other cluster members store theirs into the first member's shared memory (distributed shared
   memory, no round trip through HBM); the first multiplies the total by `Format.factor *
@@ -31,9 +33,10 @@ than an SM issues while HBM streams the codes. Here a thread decodes each code o
 
 Shared-memory loads are 16 bytes with their alignment stated: without it the compiler split
 some of them into 2-byte loads (with 16-way bank conflicts; that made two 8-token column blocks
-for 9-16 rows 2.5x slower than one). Even so, two column blocks were no faster than the wgmma
-engine for 9-16 rows on the H200 (RESULTS.md, part 28), so M stops at 8. Interpret mode (CPU
-tests) runs the same ring and epilogue with jnp tile math (`Format.values`).
+2.5x slower than one). With two column blocks NVFP4 runs 1.1-1.6x faster than the wgmma engine
+on the H200, MXFP8 (bound by memory, not decoding, and down to 2 CTAs an SM by the larger x
+slots) 0.8-1.2x, so MXFP8 stops at 8 tokens (`Format.max_m`; RESULTS.md, part 30). Interpret
+mode (CPU tests) runs the same ring and epilogue with jnp tile math (`Format.values`).
 """
 
 from __future__ import annotations
@@ -63,12 +66,21 @@ _STAGES = 2                  # ring slots per CTA (3 ran 15-25 % slower on the H
 _CTAS_PER_SM = 3             # at most; fewer where shared memory runs out
 _SM_SMEM = 228 * 1024
 _CTA_SMEM_RESERVE = 2 * 1024
-MAX_M = 8                    # tokens: one n8 column block
+MAX_M = 16                   # tokens: two n8 column blocks (a format may stop sooner: `Format.max_m`)
 _MIN_K = 1024                # codes along K a CTA of a split streams at least (`_plan`)
 
 _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
-_ACC = plgpu.Layout.WG_STRIDED((128, 4 * GROUPS), 4 * GROUPS)   # thread t: 4 sums per row group
+
+
+def _blocks(m: int) -> int:
+    """n8 column blocks (8 tokens each) for M tokens."""
+    return -(-m // 8)
+
+
+def _acc(blocks: int):
+    """Thread t's sums: 4 per row group and column block."""
+    return plgpu.Layout.WG_STRIDED((128, 4 * GROUPS * blocks), 4 * GROUPS * blocks)
 
 
 class Format(NamedTuple):
@@ -84,6 +96,7 @@ class Format(NamedTuple):
                         # f32 operand values times their scales, as the GPU multiplies them
     issue_bound: bool = False   # decoding, not memory, bounds a tile: of equally loaded plans
                                 # the one with the fewest K splits (`_plan`)
+    max_m: int = MAX_M          # most tokens served (9-16 take a second column block)
 
     @property
     def tile_k(self) -> int:
@@ -95,20 +108,23 @@ class Format(NamedTuple):
 
 
 def supported(fmt: Format, m: int, n: int, k: int) -> bool:
-    """2 <= M <= 8 activation rows, N a multiple of 64, K a multiple of the tile's K."""
-    return 2 <= m <= MAX_M and n % ROWS == 0 and k % fmt.tile_k == 0
+    """2 <= M <= fmt.max_m activation rows, N a multiple of 64, K a multiple of the tile's K."""
+    return 2 <= m <= fmt.max_m and n % ROWS == 0 and k % fmt.tile_k == 0
 
 
 def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, m, interpret):
     """acc += this tile's products. w_ref [64, 256] u8 codes, s_ref [tile K / block, 64] u8
-    scales (K block, row), x_ref [tile K / 256, 8, 256] bf16 (rows past M are not read into any
-    stored output). Interpret mode: acc [64, M] f32, the same operand values summed by XLA."""
+    scales (K block, row), x_ref [tile K / 256, 8 * blocks, 256] bf16 (rows past M are not read
+    into any stored output). Interpret mode: acc [64, M] f32, the same operand values summed by
+    XLA."""
     if interpret:
         xs = jnp.concatenate([x_ref[b, :m] for b in range(fmt.tile_k // _X_BOX)], axis=1).astype(jnp.float32)
         return acc + jnp.dot(fmt.values(w_ref[...], s_ref[...]), xs.T, precision=lax.Precision.HIGHEST)
 
-    @plgpu.inline_mgpu(arg_types=(_ACC, plgpu.RefType(), plgpu.RefType(), plgpu.RefType()),
-                       return_type=plgpu.ShapeDtypeStruct((128, 4 * GROUPS), jnp.float32, layout=_ACC))
+    nb = _blocks(m)
+
+    @plgpu.inline_mgpu(arg_types=(_acc(nb), plgpu.RefType(), plgpu.RefType(), plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((128, 4 * GROUPS * nb), jnp.float32, layout=_acc(nb)))
     def update(_, acc_in, w_smem, s_smem, x_smem):
         f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
         i8 = ir.IntegerType.get_signless(8)
@@ -121,12 +137,14 @@ def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, m, interpret):
         cpb = fmt.codes_per_byte
         first = arith.muli(arith.addi(arith.muli(warp, cst(64)), arith.muli(c, cst(16))), cst(cpb))  # lane's 1st K
 
-        # x: token g's 16 cpb values from the lane's first K, in 16-byte loads; xw[j] = (x[2j], x[2j + 1])
+        # x: token g + 8b's 16 cpb values from the lane's first K, in 16-byte loads; xw[b][j] = (x[2j], x[2j + 1])
         box, col = ix(arith.shrui(first, cst(8))), arith.andi(first, cst(_X_BOX - 1))
-        xw = []
-        for v in range(2 * cpb):
-            xw += words_of(vector.load(ir.VectorType.get((8,), ir.BF16Type.get()), x_smem,
-                                       [box, ix(g), ix(arith.addi(col, cst(8 * v)))], alignment=16))
+        xw = [[] for _ in range(nb)]
+        for b in range(nb):
+            for v in range(2 * cpb):
+                xw[b] += words_of(vector.load(ir.VectorType.get((8,), ir.BF16Type.get()), x_smem,
+                                              [box, ix(arith.addi(g, cst(8 * b))), ix(arith.addi(col, cst(8 * v)))],
+                                              alignment=16))
 
         # block scales of the lane's 8 rows for each K block its codes touch, as bf16x2 (s, s)
         kb0 = arith.shrui(first, cst(fmt.block.bit_length() - 1))
@@ -136,19 +154,20 @@ def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, m, interpret):
                                                 [ix(arith.addi(kb0, cst(b))), ix(arith.muli(g, cst(8)))], alignment=8))
                  for b in blocks}
 
-        # B operands of word s's mma e: the x values of the codes in A's k-slots, (x[2e],
-        # x[2e + pair]) and (x[2e + 1], x[2e + 1 + pair]) of the word's x
+        # B operands of word s's mma e in column block b: the x values of the codes in A's
+        # k-slots, (x[2e], x[2e + pair]) and (x[2e + 1], x[2e + 1 + pair]) of the word's x
         half = fmt.pair // 2
         per_word = cpb                                       # mmas a word (2 cpb operands) feeds
         bops = {}
-        for s in range(4):
-            xs = xw[2 * cpb * s:2 * cpb * (s + 1)]
-            for e in range(per_word):
-                bops[s, e] = [asm([xs[e], xs[e + half]], f"prmt.b32 $0, $1, $2, {sel};", "=r,r,r")
-                              for sel in ("0x5410", "0x7632")]
+        for b in range(nb):
+            for s in range(4):
+                xs = xw[b][2 * cpb * s:2 * cpb * (s + 1)]
+                for e in range(per_word):
+                    bops[b, s, e] = [asm([xs[e], xs[e + half]], f"prmt.b32 $0, $1, $2, {sel};", "=r,r,r")
+                                     for sel in ("0x5410", "0x7632")]
 
         regs = acc_in.registers.flat[0]
-        accs = [vector.extract(regs, [], [j]) for j in range(4 * GROUPS)]
+        accs = [vector.extract(regs, [], [j]) for j in range(4 * GROUPS * nb)]   # (block, group, q)
         wcol = ix(arith.addi(arith.muli(warp, cst(64)), arith.muli(c, cst(16))))
         struct = llvm.StructType.get_literal([f32] * 4)
         for r in range(GROUPS):
@@ -162,11 +181,13 @@ def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, m, interpret):
                 for e in range(per_word):
                     # A: rows g / g + 8 at k-slots (2c, 2c + 1) = operand 2e, (2c + 8, 2c + 9) = 2e + 1
                     a = [ops[h][2 * e + p] for p in range(2) for h in range(2)]
-                    d = llvm.inline_asm(struct, a + bops[s, e] + accs[4 * r:4 * r + 4], _MMA,
-                                        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-                    accs[4 * r:4 * r + 4] = [llvm.extractvalue(f32, d, [q]) for q in range(4)]
-        out = np.array([vector.from_elements(ir.VectorType.get((4 * GROUPS,), f32), accs)], dtype=object)
-        return mgpu_fa.FragmentedArray(_registers=out, _layout=_ACC.to_mgpu(), _is_signed=None)
+                    for b in range(nb):
+                        at = slice(4 * (b * GROUPS + r), 4 * (b * GROUPS + r) + 4)
+                        d = llvm.inline_asm(struct, a + bops[b, s, e] + accs[at], _MMA,
+                                            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+                        accs[at] = [llvm.extractvalue(f32, d, [q]) for q in range(4)]
+        out = np.array([vector.from_elements(ir.VectorType.get((4 * GROUPS * nb,), f32), accs)], dtype=object)
+        return mgpu_fa.FragmentedArray(_registers=out, _layout=_acc(nb).to_mgpu(), _is_signed=None)
 
     return update(acc, w_ref, s_ref, x_ref)
 
@@ -182,24 +203,28 @@ def _owned(t, m, cst):
 
 def _warp_sums(acc, red_ref, *, m, interpret):
     """red_ref[0, tok, row] <- the item's sum D[row][tok] over the 4 warps, for the pairs each
-    thread owns (`_owned`); red_ref [4, 8, 64] f32. Thread t's sums (row group r, element q) are
-    D[8g + 2r + q // 2][2c + q % 2]."""
+    thread owns (`_owned`); red_ref [4, 8 * blocks, 64] f32. Thread t's sums (column block b, row
+    group r, element q) are D[8g + 2r + q // 2][8b + 2c + q % 2]."""
     if interpret:
         red_ref[0, pl.ds(0, m)] = acc.T
         return
 
-    @plgpu.inline_mgpu(arg_types=(_ACC, plgpu.RefType()))
+    nb = _blocks(m)
+
+    @plgpu.inline_mgpu(arg_types=(_acc(nb), plgpu.RefType()))
     def reduce(_, acc_in, red_smem):
         index = ir.IndexType.get()
         t = mgpu_utils.thread_idx()
         warp, lane = arith.shrui(t, cst(5)), arith.andi(t, cst(31))
         g, c = arith.shrui(lane, cst(2)), arith.andi(lane, cst(3))
         regs = acc_in.registers.flat[0]
-        for r in range(GROUPS):
-            for q in range(4):
-                tok = arith.addi(arith.muli(c, cst(2)), cst(q % 2))
-                row = arith.addi(arith.muli(g, cst(8)), cst(2 * r + q // 2))
-                memref.store(vector.extract(regs, [], [4 * r + q]), red_smem, [ix(warp), ix(tok), ix(row)])
+        for b in range(nb):
+            for r in range(GROUPS):
+                for q in range(4):
+                    tok = arith.addi(arith.muli(c, cst(2)), cst(8 * b + q % 2))
+                    row = arith.addi(arith.muli(g, cst(8)), cst(2 * r + q // 2))
+                    memref.store(vector.extract(regs, [], [4 * (b * GROUPS + r) + q]), red_smem,
+                                 [ix(warp), ix(tok), ix(row)])
         mgpu_utils.warpgroup_barrier()
         for pred, tok, row in _owned(t, m, cst):
             with mgpu_utils.when(pred):
@@ -214,7 +239,7 @@ def _warp_sums(acc, red_ref, *, m, interpret):
 
 def _store_partial(red_ref, part_ref, *, m, interpret):
     """This CTA's sums over its K range, red_ref[0], to its cluster's first CTA. GPU: part_ref
-    [8, 64] f32 is this CTA's slot of the parts buffer, and the sums go to the same slot of the
+    [8 * blocks, 64] f32 is this CTA's slot of the parts buffer, and the sums go to the same slot of the
     first CTA's (distributed shared memory). Interpret mode (no clusters): part_ref [M, 64] is a
     slice of a global output whose members' sums XLA adds."""
     if interpret:
@@ -234,7 +259,7 @@ def _store_partial(red_ref, part_ref, *, m, interpret):
 
 def _finish(red_ref, parts_ref, s2_ref, y_ref, *, m, splits, factor, interpret):
     """y_ref [M, 64] (global memory, output dtype) <- (red_ref[0] + the other cluster members'
-    sums parts_ref [splits - 1, 8, 64] f32 in shared memory) * w_scale_2 * factor."""
+    sums parts_ref [splits - 1, 8 * blocks, 64] f32 in shared memory) * w_scale_2 * factor."""
     if interpret:
         y_ref[...] = (red_ref[0, pl.ds(0, m)] * (s2_ref[0] * factor)).astype(y_ref.dtype)
         return
@@ -258,7 +283,7 @@ def _finish(red_ref, parts_ref, s2_ref, y_ref, *, m, splits, factor, interpret):
     finish(*refs)
 
 
-def _plan(fmt: Format, n: int, k: int) -> tuple[int, int]:
+def _plan(fmt: Format, n: int, k: int, m: int) -> tuple[int, int]:
     """(CTAs per SM, K splits). A K split is a cluster of 2, 4 or 8 CTAs sharing an item, each
     over its own K tiles, at least _MIN_K codes of K. Of the splits that keep every cluster in
     the first wave (so that with splits every cluster takes one item), the one that leaves the
@@ -268,20 +293,21 @@ def _plan(fmt: Format, n: int, k: int) -> tuple[int, int]:
     Sweeps of forced splits on the H200 (RESULTS.md, part 30) found this rule's choice fastest or
     within 1 % on all 12 shapes and formats swept; clusters of 3 and 6 placed badly (a second
     wave at 4096x12288, part 28)."""
-    slot = ROWS * TILE_BYTES + fmt.scale_rows * ROWS + 8 * fmt.tile_k * 2
+    xr = 8 * _blocks(m)                                     # x rows staged
+    slot = ROWS * TILE_BYTES + fmt.scale_rows * ROWS + xr * fmt.tile_k * 2
     items, kt = n // ROWS, k // fmt.tile_k
     for per_sm in range(_CTAS_PER_SM, 0, -1):
         fits = [s for s in (1, 2, 4, 8) if kt % s == 0 and (
             s == 1 or (kt // s * fmt.tile_k >= _MIN_K and items * s <= num_sms() * per_sm))]
         splits = min(fits, key=lambda s: (-(-items * s // num_sms()) * (kt // s), s if fmt.issue_bound else -s))
-        smem = _STAGES * slot + 4 * 8 * ROWS * 4 + 4 + (splits - 1) * 8 * ROWS * 4     # ring, sums, parts
+        smem = _STAGES * slot + 4 * xr * ROWS * 4 + 4 + (splits - 1) * xr * ROWS * 4   # ring, sums, parts
         if per_sm == 1 or per_sm * (smem + _CTA_SMEM_RESERVE) <= _SM_SMEM:
             return per_sm, splits
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "interpret"))
 def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
-    """x [M, K] bf16 (2 <= M <= 8), w_bytes uint8 [N, K / codes_per_byte], scales uint8
+    """x [M, K] bf16 (2 <= M <= 16), w_bytes uint8 [N, K / codes_per_byte], scales uint8
     [K / block, N], w_scale_2 f32 (one value) -> [M, N] out_dtype (`supported` shapes).
 
     With K splits (`_plan`) a cluster's members write their sums into the first member's shared
@@ -291,9 +317,10 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
     m, k = x.shape
     n = w_bytes.shape[0]
     if not supported(fmt, m, n, k) or w_bytes.shape[1] * fmt.codes_per_byte != k:
-        raise ValueError(f"{fmt.name} serves 2 <= M <= {MAX_M}, N % {ROWS} == 0, K % {fmt.tile_k} == 0 with codes "
+        raise ValueError(f"{fmt.name} serves 2 <= M <= {fmt.max_m}, N % {ROWS} == 0, K % {fmt.tile_k} == 0 with codes "
                          f"of K / {fmt.codes_per_byte} bytes; got M={m}, N={n}, K={k}, codes {w_bytes.shape}")
-    per_sm, splits = _plan(fmt, n, k)
+    per_sm, splits = _plan(fmt, n, k, m)
+    xr = 8 * _blocks(m)
     items, kts = n // ROWS, k // fmt.tile_k // splits
     clusters = min(items, num_sms() * per_sm // splits)
     s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
@@ -367,7 +394,7 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
         if interpret:
             zero = jnp.zeros((ROWS, m), jnp.float32)
         else:
-            zero = plgpu.layout_cast(jnp.zeros((128, 4 * GROUPS), jnp.float32), _ACC)
+            zero = plgpu.layout_cast(jnp.zeros((128, 4 * GROUPS * _blocks(m)), jnp.float32), _acc(_blocks(m)))
         lax.fori_loop(0, tiles, step, zero)
 
     kernel.__name__ = fmt.name
@@ -379,13 +406,13 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
     call = plgpu.kernel(
         kernel, out_type=(jax.ShapeDtypeStruct((m, n), out_dtype),
                           *([jax.ShapeDtypeStruct((splits, m, n), jnp.float32)] if emulated else [])),
-        scratch_types=[plgpu.SMEM((_STAGES, x_boxes, 8, _X_BOX), jnp.bfloat16),
+        scratch_types=[plgpu.SMEM((_STAGES, x_boxes, xr, _X_BOX), jnp.bfloat16),
                        plgpu.SMEM((_STAGES, ROWS, TILE_BYTES), jnp.uint8),
                        plgpu.SMEM((_STAGES, fmt.scale_rows, ROWS), jnp.uint8),
-                       plgpu.SMEM((4, 8, ROWS), jnp.float32),
+                       plgpu.SMEM((4, xr, ROWS), jnp.float32),
                        plgpu.SMEM((1,), jnp.float32),
                        plgpu.Barrier(num_arrivals=2 + x_boxes, num_barriers=_STAGES),
-                       *([plgpu.SMEM((splits - 1, 8, ROWS), jnp.float32),
+                       *([plgpu.SMEM((splits - 1, xr, ROWS), jnp.float32),
                           plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1, num_barriers=1)] if merged
                          else [])],
         **layout,

@@ -49,7 +49,7 @@ def _values(codes, scales):
 
 
 FORMAT = mma_gemv.Format(name="mxfp8_mma_gemv", codes_per_byte=1, block=BLOCK, pair=2, factor=1.0,
-                         operands=_operands, scale_pairs=_scale_pairs, values=_values)
+                         operands=_operands, scale_pairs=_scale_pairs, values=_values, max_m=8)
 
 
 def supported(m: int, n: int, k: int) -> bool:

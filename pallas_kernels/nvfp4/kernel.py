@@ -1,10 +1,10 @@
 """NVFP4 weight-only matmul on Hopper. One activation row (decode at batch 1) on a shape the
-CUDA-core GEMV serves goes there (``gemv.py``: 1.6-1.7x the engine below on the H200); 2-8 rows
-go to the `mma.sync` GEMV (``mma_gemv.py``: 1.4-1.9x the engine in RESULTS.md part 27, faster
-since); everything else runs the shared dequantizing engine (``pallas_kernels/mxfp8/wdequant.py``):
-the low and high nibbles of each byte become two bf16 tiles multiplied against the even and odd
-K columns of x, which the wrapper splits once per call (a pass over the activations, not the
-weights)."""
+CUDA-core GEMV serves goes there (``gemv.py``: 1.6-1.7x the engine below on the H200); 2-16 rows
+go to the `mma.sync` GEMV (``mma_gemv.py``: 1.4-1.9x the engine at 2-8 rows in RESULTS.md part 27,
+faster since; 1.1-1.6x at 9-16 rows, part 30); everything else runs the shared dequantizing
+engine (``pallas_kernels/mxfp8/wdequant.py``): the low and high nibbles of each byte become two
+bf16 tiles multiplied against the even and odd K columns of x, which the wrapper splits once per
+call (a pass over the activations, not the weights)."""
 
 from __future__ import annotations
 

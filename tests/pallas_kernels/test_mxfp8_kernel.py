@@ -84,7 +84,7 @@ def test_few_rows_run_the_mma_gemv(m, n, k, sms, splits, gemv_spy):
     """2-8 activation rows go to the tensor-core GEMV (fp32 and bf16 out); K splits (added by XLA
     in the interpreter, by the kernel on the GPU) and ring refills; 32-blocks span 2^-8 .. 2^8."""
     calls = gemv_spy(mma_gemv, sms, items=n // 64, tiles=k // 256, kernel=mma_kernel)
-    assert mma_kernel._plan(mma_gemv.FORMAT, n, k)[1] == splits
+    assert mma_kernel._plan(mma_gemv.FORMAT, n, k, m)[1] == splits
     x, wq, ws = make(m, n, k, seed=n + m)
     y = matmul_kernel(x, wq, ws, out_dtype=jnp.float32, interpret=True)
     assert calls and y.shape == (m, n)
@@ -171,9 +171,10 @@ def test_lowers_for_hopper(m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 2048, 1536), (8, 1, 96), (300, 512, 1024), (1100, 384, 640),
                                    (1100, 2560, 640), (2, 4096, 4096), (8, 4096, 12288), (5, 2048, 4096),
-                                   (3, 12288, 4096), (4, 256, 8192)])
+                                   (3, 12288, 4096), (4, 256, 8192),
+                                   (16, 4096, 4096), (12, 12288, 4096), (9, 4096, 12288)])
 def test_compiled_kernel_matches_oracle(m, n, k):
-    """M = 2-8 on the mma GEMV: K split over clusters of 2, 4 and 8 CTAs."""
+    """M = 2-8 on the mma GEMV: K split over clusters of 2, 4 and 8 CTAs; 9-16 on the engine."""
     x, wq, ws = make(m, n, k, seed=11)
     y = matmul(x, wq, ws, backend="pallas", out_dtype=jnp.float32)
     assert orc.rel_err(y, oracle(x, wq, ws)) < 1e-4

@@ -80,12 +80,14 @@ def test_gemv_serves_one_row_of_whole_boxes():
     (4, 64, 1024, None, 1),     # 2 tiles: 1 a CTA would be too little K to split
     (3, 256, 6144, 4, 1),       # 4 items of 12 tiles, 4 SMs: 1 or 2 splits load an SM alike, the fewer win
     (8, 320, 2048, 1, 1),       # 3 CTAs share five items (unevenly), 4 tiles each refill the ring
+    (16, 64, 4096, None, 4),    # two 8-token column blocks
+    (11, 320, 2048, 1, 1),      # the second block partly filled, on ring refills
 ])
 def test_few_rows_run_the_mma_gemv(m, n, k, sms, splits, gemv_spy):
-    """2-8 activation rows go to the tensor-core GEMV; K splits (the interpreter adds the members'
+    """2-16 activation rows go to the tensor-core GEMV; K splits (the interpreter adds the members'
     sums in XLA, the GPU in the kernel) and the ring's refills give the oracle's result."""
     calls = gemv_spy(mma_gemv, sms, items=n // 64, tiles=k // 512, kernel=mma_kernel)
-    assert mma_kernel._plan(mma_gemv.FORMAT, n, k)[1] == splits
+    assert mma_kernel._plan(mma_gemv.FORMAT, n, k, m)[1] == splits
     x, *w = make(m, n, k, seed=n + m)
     y = matmul_kernel(x, *w, out_dtype=jnp.float32, interpret=True)
     assert calls and y.shape == (m, n)
@@ -94,12 +96,12 @@ def test_few_rows_run_the_mma_gemv(m, n, k, sms, splits, gemv_spy):
     assert yb.dtype == jnp.bfloat16 and orc.rel_err(yb, oracle(x, *w)) < 4e-3
 
 
-def test_mma_gemv_serves_two_to_eight_rows():
-    assert mma_gemv.supported(2, 4096, 4096) and mma_gemv.supported(8, 64, 512)
-    assert not mma_gemv.supported(1, 4096, 4096) and not mma_gemv.supported(9, 4096, 4096)
+def test_mma_gemv_serves_two_to_sixteen_rows():
+    assert mma_gemv.supported(2, 4096, 4096) and mma_gemv.supported(16, 64, 512)
+    assert not mma_gemv.supported(1, 4096, 4096) and not mma_gemv.supported(17, 4096, 4096)
     assert not mma_gemv.supported(4, 4096 + 16, 4096) and not mma_gemv.supported(4, 4096, 4096 + 256)
-    x, *w = make(9, 64, 512)
-    with pytest.raises(ValueError, match="nvfp4_mma_gemv serves 2 <= M <= 8"):
+    x, *w = make(17, 64, 512)
+    with pytest.raises(ValueError, match="nvfp4_mma_gemv serves 2 <= M <= 16"):
         mma_gemv.gemv(x, *w, out_dtype=jnp.float32, interpret=True)
 
 
@@ -125,10 +127,11 @@ def test_lowers_for_hopper(m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 4096, 12288), (1, 256, 1024), (1, 4096, 7168),
                                    (300, 512, 1024), (2, 4096, 4096), (8, 4096, 12288), (5, 2048, 4096),
-                                   (3, 12288, 4096), (4, 256, 16384)])
+                                   (3, 12288, 4096), (4, 256, 16384),
+                                   (16, 4096, 4096), (12, 12288, 4096), (9, 4096, 12288)])
 def test_compiled_kernel_matches_oracle(m, n, k):
-    """M = 1 with K a multiple of 2048 runs the GEMV, K = 1024 the engine; M = 2-8 the mma GEMV
-    (K split over clusters of 2, 4 and 8 CTAs)."""
+    """M = 1 with K a multiple of 2048 runs the GEMV, K = 1024 the engine; M = 2-16 the mma GEMV
+    (K split over clusters of 2, 4 and 8 CTAs; 9-16 on two column blocks)."""
     x, *w = make(m, n, k, seed=7)
     assert orc.rel_err(matmul(x, *w, backend="pallas", out_dtype=jnp.float32), oracle(x, *w)) < 1e-4
 
