@@ -239,8 +239,8 @@ def _warp_sums(acc, red_ref, *, m, interpret):
 
 def _store_partial(red_ref, part_ref, *, m, interpret):
     """This CTA's sums over its K range, red_ref[0], to its cluster's first CTA. GPU: part_ref
-    [8 * blocks, 64] f32 is this CTA's slot of the parts buffer, and the sums go to the same slot of the
-    first CTA's (distributed shared memory). Interpret mode (no clusters): part_ref [M, 64] is a
+    [8 * blocks, 64] f32 is this CTA's slot of the parts buffer, and the sums go to the same slot
+    of the first CTA's (distributed shared memory). Interpret mode (no clusters): part_ref [M, 64] is a
     slice of a global output whose members' sums XLA adds."""
     if interpret:
         part_ref[...] = red_ref[0, pl.ds(0, m)]
@@ -291,8 +291,8 @@ def _plan(fmt: Format, n: int, k: int, m: int) -> tuple[int, int]:
     loaded ones, the fewest splits where decoding bounds the tile (NVFP4: more CTAs an SM add
     merge work, not throughput), else the most (MXFP8: more CTAs an SM keep more bytes in flight).
     Sweeps of forced splits on the H200 (RESULTS.md, part 30) found this rule's choice fastest or
-    within 1 % on all 12 shapes and formats swept; clusters of 3 and 6 placed badly (a second
-    wave at 4096x12288, part 28)."""
+    within 1 % on 11 of the 12 shapes and formats swept (MXFP8 2048x4096: 3 % behind 8 splits of
+    2 tiles); clusters of 3 and 6 placed badly (a second wave at 4096x12288, part 28)."""
     xr = 8 * _blocks(m)                                     # x rows staged
     slot = ROWS * TILE_BYTES + fmt.scale_rows * ROWS + xr * fmt.tile_k * 2
     items, kt = n // ROWS, k // fmt.tile_k
@@ -320,7 +320,8 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
         raise ValueError(f"{fmt.name} serves 2 <= M <= {fmt.max_m}, N % {ROWS} == 0, K % {fmt.tile_k} == 0 with codes "
                          f"of K / {fmt.codes_per_byte} bytes; got M={m}, N={n}, K={k}, codes {w_bytes.shape}")
     per_sm, splits = _plan(fmt, n, k, m)
-    xr = 8 * _blocks(m)
+    nb = _blocks(m)
+    xr = 8 * nb                                             # x rows staged
     items, kts = n // ROWS, k // fmt.tile_k // splits
     clusters = min(items, num_sms() * per_sm // splits)
     s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
@@ -394,7 +395,7 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
         if interpret:
             zero = jnp.zeros((ROWS, m), jnp.float32)
         else:
-            zero = plgpu.layout_cast(jnp.zeros((128, 4 * GROUPS * _blocks(m)), jnp.float32), _acc(_blocks(m)))
+            zero = plgpu.layout_cast(jnp.zeros((128, 4 * GROUPS * nb), jnp.float32), _acc(nb))
         lax.fori_loop(0, tiles, step, zero)
 
     kernel.__name__ = fmt.name
