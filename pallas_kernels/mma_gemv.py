@@ -34,9 +34,10 @@ than an SM issues while HBM streams the codes. Here a thread decodes each code o
 Shared-memory loads are 16 bytes with their alignment stated: without it the compiler split
 some of them into 2-byte loads (with 16-way bank conflicts; that made two 8-token column blocks
 2.5x slower than one). With two column blocks NVFP4 runs 1.1-1.6x faster than the wgmma engine
-on the H200, MXFP8 (bound by memory, not decoding, and down to 2 CTAs an SM by the larger x
-slots) 0.8-1.2x, so MXFP8 stops at 8 tokens (`Format.max_m`; RESULTS.md, part 30). Interpret
-mode (CPU tests) runs the same ring and epilogue with jnp tile math (`Format.values`).
+on the H200 (RESULTS.md, part 30) and MXFP8 0.98-1.31x where 3 CTAs fit an SM; where only 2 fit
+(its 16-token slots) MXFP8 ran 0.8-0.9x the engine, so it keeps the engine there
+(`Format.wide_ctas_per_sm`; part 31). Interpret mode (CPU tests) runs the same ring and epilogue
+with jnp tile math (`Format.values`).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ _STAGES = 2                  # ring slots per CTA (3 ran 15-25 % slower on the H
 _CTAS_PER_SM = 3             # at most; fewer where shared memory runs out
 _SM_SMEM = 228 * 1024
 _CTA_SMEM_RESERVE = 2 * 1024
-MAX_M = 16                   # tokens: two n8 column blocks (a format may stop sooner: `Format.max_m`)
+MAX_M = 16                   # tokens: two n8 column blocks (`Format.wide_ctas_per_sm` may refuse 9-16)
 _MIN_K = 1024                # codes along K a CTA of a split streams at least (`_plan`)
 
 _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
@@ -96,7 +97,8 @@ class Format(NamedTuple):
                         # f32 operand values times their scales, as the GPU multiplies them
     issue_bound: bool = False   # decoding, not memory, bounds a tile: of equally loaded plans
                                 # the one with the fewest K splits (`_plan`)
-    max_m: int = MAX_M          # most tokens served (9-16 take a second column block)
+    wide_ctas_per_sm: int = 1   # 9-16 tokens (a second column block) only where the plan fits
+                                # this many CTAs an SM
 
     @property
     def tile_k(self) -> int:
@@ -108,8 +110,10 @@ class Format(NamedTuple):
 
 
 def supported(fmt: Format, m: int, n: int, k: int) -> bool:
-    """2 <= M <= fmt.max_m activation rows, N a multiple of 64, K a multiple of the tile's K."""
-    return 2 <= m <= fmt.max_m and n % ROWS == 0 and k % fmt.tile_k == 0
+    """2 <= M <= 16 activation rows (9-16 where `_plan` fits `fmt.wide_ctas_per_sm` CTAs an SM),
+    N a multiple of 64, K a multiple of the tile's K."""
+    return (2 <= m <= MAX_M and n % ROWS == 0 and k % fmt.tile_k == 0
+            and (m <= 8 or _plan(fmt, n, k, m)[0] >= fmt.wide_ctas_per_sm))
 
 
 def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, m, interpret):
@@ -285,24 +289,26 @@ def _finish(red_ref, parts_ref, s2_ref, y_ref, *, m, splits, factor, interpret):
 
 def _plan(fmt: Format, n: int, k: int, m: int) -> tuple[int, int]:
     """(CTAs per SM, K splits). A K split is a cluster of 2, 4 or 8 CTAs sharing an item, each
-    over its own K tiles, at least _MIN_K codes of K. Of the splits that keep every cluster in
-    the first wave (so that with splits every cluster takes one item), the one that leaves the
-    fewest K tiles to the busiest SM, ceil(CTAs / SMs) CTAs of K tiles / splits each; of equally
-    loaded ones, the fewest splits where decoding bounds the tile (NVFP4: more CTAs an SM add
-    merge work, not throughput), else the most (MXFP8: more CTAs an SM keep more bytes in flight).
-    Sweeps of forced splits on the H200 (RESULTS.md, part 30) found this rule's choice fastest or
-    within 1 % on 11 of the 12 shapes and formats swept (MXFP8 2048x4096: 3 % behind 8 splits of
-    2 tiles); clusters of 3 and 6 placed badly (a second wave at 4096x12288, part 28)."""
+    over its own K tiles, at least _MIN_K codes of K. Of the pairs whose CTAs fit an SM's shared
+    memory and keep every cluster in the first wave (so that with splits every cluster takes one
+    item), the one that leaves the fewest K tiles to the busiest SM, ceil(CTAs / SMs) CTAs of K
+    tiles / splits each; of equally loaded ones, the most CTAs an SM (MXFP8 at 16 tokens: 2
+    splits at 3 CTAs an SM ran 9.3 us at 4096x4096 against 12.0 for 4 splits at 2, RESULTS.md
+    part 31), then the fewest splits where decoding bounds the tile (NVFP4: more CTAs an SM add
+    merge work, not throughput), else the most (MXFP8: more CTAs an SM keep more bytes in
+    flight). Sweeps of forced splits on the H200 (RESULTS.md, part 30) found this rule's choice
+    fastest or within 1 % on 11 of the 12 shapes and formats swept at 8 tokens (MXFP8 2048x4096:
+    3 % behind 8 splits of 2 tiles); clusters of 3 and 6 placed badly (a second wave at
+    4096x12288, part 28)."""
     xr = 8 * _blocks(m)                                     # x rows staged
     slot = ROWS * TILE_BYTES + fmt.scale_rows * ROWS + xr * fmt.tile_k * 2
     items, kt = n // ROWS, k // fmt.tile_k
-    for per_sm in range(_CTAS_PER_SM, 0, -1):
-        fits = [s for s in (1, 2, 4, 8) if kt % s == 0 and (
-            s == 1 or (kt // s * fmt.tile_k >= _MIN_K and items * s <= num_sms() * per_sm))]
-        splits = min(fits, key=lambda s: (-(-items * s // num_sms()) * (kt // s), s if fmt.issue_bound else -s))
-        smem = _STAGES * slot + 4 * xr * ROWS * 4 + 4 + (splits - 1) * xr * ROWS * 4   # ring, sums, parts
-        if per_sm == 1 or per_sm * (smem + _CTA_SMEM_RESERVE) <= _SM_SMEM:
-            return per_sm, splits
+    smem = lambda s: _STAGES * slot + 4 * xr * ROWS * 4 + 4 + (s - 1) * xr * ROWS * 4   # ring, sums, parts
+    plans = [(per_sm, s) for per_sm in range(_CTAS_PER_SM, 0, -1) for s in (1, 2, 4, 8)
+             if kt % s == 0 and (s == 1 or (kt // s * fmt.tile_k >= _MIN_K and items * s <= num_sms() * per_sm))
+             and (per_sm == 1 or per_sm * (smem(s) + _CTA_SMEM_RESERVE) <= _SM_SMEM)]
+    return min(plans, key=lambda p: (-(-items * p[1] // num_sms()) * (kt // p[1]), -p[0],
+                                     p[1] if fmt.issue_bound else -p[1]))
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "interpret"))
@@ -317,8 +323,9 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
     m, k = x.shape
     n = w_bytes.shape[0]
     if not supported(fmt, m, n, k) or w_bytes.shape[1] * fmt.codes_per_byte != k:
-        raise ValueError(f"{fmt.name} serves 2 <= M <= {fmt.max_m}, N % {ROWS} == 0, K % {fmt.tile_k} == 0 with codes "
-                         f"of K / {fmt.codes_per_byte} bytes; got M={m}, N={n}, K={k}, codes {w_bytes.shape}")
+        wide = f" (9-16 where {fmt.wide_ctas_per_sm} CTAs fit an SM)" if fmt.wide_ctas_per_sm > 1 else ""
+        raise ValueError(f"{fmt.name} serves 2 <= M <= {MAX_M}{wide}, N % {ROWS} == 0, K % {fmt.tile_k} == 0 with "
+                         f"codes of K / {fmt.codes_per_byte} bytes; got M={m}, N={n}, K={k}, codes {w_bytes.shape}")
     per_sm, splits = _plan(fmt, n, k, m)
     nb = _blocks(m)
     xr = 8 * nb                                             # x rows staged

@@ -1,7 +1,7 @@
 """MXFP8 weight-only matmul on Hopper: one activation row on a shape the CUDA-core GEMV serves
-goes there (``gemv.py``), 2-8 rows to the `mma.sync` GEMV (``mma_gemv.py``); everything else
-runs the shared dequantizing engine (``wdequant.py``) with 32-column groups, one E8M0 scale per
-row and group. See ``wdequant`` for the design."""
+goes there (``gemv.py``), 2-16 rows on a shape the `mma.sync` GEMV serves to it
+(``mma_gemv.py``); everything else runs the shared dequantizing engine (``wdequant.py``) with
+32-column groups, one E8M0 scale per row and group. See ``wdequant`` for the design."""
 
 from __future__ import annotations
 

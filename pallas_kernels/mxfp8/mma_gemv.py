@@ -1,5 +1,5 @@
-"""MXFP8 on the mma GEMV for 2-8 activation rows (`pallas_kernels/mma_gemv.py`): one e4m3 code
-a byte, E8M0 scales per 32.
+"""MXFP8 on the mma GEMV for 2-16 activation rows (`pallas_kernels/mma_gemv.py`; 9-16 only where
+the plan fits 3 CTAs an SM): one e4m3 code a byte, E8M0 scales per 32.
 
 * operands: a word's 4 codes make two bf16x2 operands, operand i = codes (i, i + 2). A code's 7
   magnitude bits moved to bits 4-10 of its half and its sign to bit 15 are e4m3 * 2^-120 as bf16
@@ -49,7 +49,7 @@ def _values(codes, scales):
 
 
 FORMAT = mma_gemv.Format(name="mxfp8_mma_gemv", codes_per_byte=1, block=BLOCK, pair=2, factor=1.0,
-                         operands=_operands, scale_pairs=_scale_pairs, values=_values, max_m=8)
+                         operands=_operands, scale_pairs=_scale_pairs, values=_values, wide_ctas_per_sm=3)
 
 
 def supported(m: int, n: int, k: int) -> bool:
@@ -57,7 +57,7 @@ def supported(m: int, n: int, k: int) -> bool:
 
 
 def gemv(x, w_q, w_scale, *, out_dtype, interpret=False):
-    """x [M, K] bf16 (2 <= M <= 8), w_q [N, K] e4m3, w_scale [K/32, N] uint8 E8M0 -> [M, N]
+    """x [M, K] bf16 (2 <= M <= 16, `supported`), w_q [N, K] e4m3, w_scale [K/32, N] uint8 E8M0 -> [M, N]
     out_dtype."""
     return mma_gemv.gemv(FORMAT, x, lax.bitcast_convert_type(w_q, jnp.uint8), w_scale, jnp.ones((1,), jnp.float32),
                          out_dtype=out_dtype, interpret=interpret)

@@ -79,9 +79,11 @@ def test_one_row_runs_the_gemv(n, k, sms, gemv_spy):
     (3, 64, 1536, None, 1),     # 6 tiles: 3 a CTA would be too few to split
     (3, 256, 3072, 4, 2),       # 4 items of 12 tiles, 4 SMs: 1 or 2 splits load an SM alike, the more win
     (8, 320, 1024, 1, 1),       # 3 CTAs share five items (unevenly), 4 tiles each refill the ring
+    (12, 64, 2048, None, 2),    # two 8-token column blocks, the second partly filled
+    (16, 320, 1024, 1, 1),      # two full column blocks on ring refills
 ])
 def test_few_rows_run_the_mma_gemv(m, n, k, sms, splits, gemv_spy):
-    """2-8 activation rows go to the tensor-core GEMV (fp32 and bf16 out); K splits (added by XLA
+    """2-16 activation rows go to the tensor-core GEMV (fp32 and bf16 out); K splits (added by XLA
     in the interpreter, by the kernel on the GPU) and ring refills; 32-blocks span 2^-8 .. 2^8."""
     calls = gemv_spy(mma_gemv, sms, items=n // 64, tiles=k // 256, kernel=mma_kernel)
     assert mma_kernel._plan(mma_gemv.FORMAT, n, k, m)[1] == splits
@@ -91,9 +93,25 @@ def test_few_rows_run_the_mma_gemv(m, n, k, sms, splits, gemv_spy):
     assert orc.rel_err(y, oracle(x, wq, ws)) < 1e-5
     yb = matmul_kernel(x, wq, ws, out_dtype=jnp.bfloat16, interpret=True)
     assert yb.dtype == jnp.bfloat16 and orc.rel_err(yb, oracle(x, wq, ws)) < 4e-3
-    assert not mma_gemv.supported(9, n, k) and not mma_gemv.supported(m, n + 16, k)
-    with pytest.raises(ValueError, match="mxfp8_mma_gemv serves 2 <= M <= 8"):
+    assert not mma_gemv.supported(17, n, k) and not mma_gemv.supported(m, n + 16, k)
+    with pytest.raises(ValueError, match=r"mxfp8_mma_gemv serves 2 <= M <= 16 \(9-16 where 3 CTAs fit an SM\)"):
         mma_gemv.gemv(x[:1], wq, ws, out_dtype=jnp.float32, interpret=True)
+
+
+def test_nine_to_sixteen_rows_need_three_ctas_an_sm():
+    """At 9-16 rows the plan prefers 3 CTAs an SM to an equal load at 2 (4096x4096: 2 splits, not
+    the 4 of 8 rows); where only 2 fit (2048x4096: 4 splits) MXFP8 keeps the engine, NVFP4 not."""
+    from pallas_kernels.nvfp4 import mma_gemv as nvfp4_mma
+
+    assert mma_kernel._plan(mma_gemv.FORMAT, 4096, 4096, 8) == (3, 4)
+    assert mma_kernel._plan(mma_gemv.FORMAT, 4096, 4096, 16) == (3, 2)
+    assert mma_gemv.supported(16, 4096, 4096) and mma_gemv.supported(9, 24576, 4096)
+    assert mma_kernel._plan(mma_gemv.FORMAT, 2048, 4096, 16) == (2, 4)
+    assert not mma_gemv.supported(16, 2048, 4096) and mma_gemv.supported(8, 2048, 4096)
+    assert nvfp4_mma.supported(16, 2048, 4096)
+    x, wq, ws = make(16, 2048, 4096, seed=5)
+    with pytest.raises(ValueError, match="got M=16, N=2048, K=4096"):
+        mma_gemv.gemv(x, wq, ws, out_dtype=jnp.float32, interpret=True)
 
 
 def test_bf16_output_and_leading_dims():
@@ -172,9 +190,10 @@ def test_lowers_for_hopper(m):
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 2048, 1536), (8, 1, 96), (300, 512, 1024), (1100, 384, 640),
                                    (1100, 2560, 640), (2, 4096, 4096), (8, 4096, 12288), (5, 2048, 4096),
                                    (3, 12288, 4096), (4, 256, 8192),
-                                   (16, 4096, 4096), (12, 12288, 4096), (9, 4096, 12288)])
+                                   (16, 4096, 4096), (12, 12288, 4096), (9, 4096, 12288), (16, 2048, 4096)])
 def test_compiled_kernel_matches_oracle(m, n, k):
-    """M = 2-8 on the mma GEMV: K split over clusters of 2, 4 and 8 CTAs; 9-16 on the engine."""
+    """M = 2-16 on the mma GEMV (K split over clusters of 2, 4 and 8 CTAs; 9-16 on two column
+    blocks), but 16 x 2048 x 4096 on the engine (only 2 CTAs of that plan fit an SM)."""
     x, wq, ws = make(m, n, k, seed=11)
     y = matmul(x, wq, ws, backend="pallas", out_dtype=jnp.float32)
     assert orc.rel_err(y, oracle(x, wq, ws)) < 1e-4
