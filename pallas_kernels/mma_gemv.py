@@ -1,6 +1,7 @@
 """Weight-streaming GEMV for 2-16 activation rows (decode of small batches, speculative verify)
 on the tensor cores' `mma.sync.m16n8k16` (bf16 operands, fp32 sums), for weight formats whose
-codes dequantize exactly to bf16: NVFP4 (two codes a byte) and MXFP8 (one).
+dequantized weights are bf16 values: NVFP4 (two codes a byte) and MXFP8 (one), exactly, and
+block FP8 (one), whose W8A16 weights are bf16(f32(w_q) * scale) by definition.
 
     y [M, N] = x [M, K] (bf16) @ dequant(w)^T * w_scale_2, fp32 sums, rounded once
 
@@ -9,18 +10,17 @@ than an SM issues while HBM streams the codes. Here a thread decodes each code o
 `mma` operand and the tensor cores do the M products, so the cost per byte barely depends on M:
 
 * an item is ROWS = 64 weight rows; its K tiles (64 rows x 256 bytes of codes, their block
-  scales [tile K / block, 64] and x's [M, tile K] slice) stream through a ring of TMA slots in
+  scales (`Format.scales`) and x's [M, tile K] slice) stream through a ring of TMA slots in
   persistent CTAs, which take the items round-robin; where N has fewer items than the grid has
   CTAs, a cluster of CTAs shares each item, one K range each (`_plan`), and its first CTA adds
   the others' sums after a cluster barrier;
 * warp w takes bytes 64w..64w+63 of every row of a tile; lane (g, c) = (lane // 4, lane % 4)
   the 16 bytes 64w + 16c.. of the 8 tile rows 8g..8g+7. Row group r's mma row g is tile row
-  8g + 2r, its row g + 8 is 8g + 2r + 1: a lane's 8 rows are contiguous, so their block scales
-  are one 8-byte load;
-* the format turns a 32-bit word of codes into bf16x2 operands, operand i holding codes (i,
-  i + `Format.pair`) of the word (`Format.operands`), and multiplies each by its row's block
-  scale (`Format.scale_pairs`, `mul.rn.bf16x2`, exact); two operands per row make an mma's A
-  fragment for that row;
+  8g + 2r, its row g + 8 is 8g + 2r + 1: a lane's 8 rows are contiguous, so their per-row
+  block scales are one 8-byte load (block FP8: one fp32 serves all 8);
+* the format turns a 32-bit word of codes and its row's block scale (`Format.scales`) into
+  bf16x2 operands, operand i holding codes (i, i + `Format.pair`) of the word times the scale
+  (`Format.operands`); two operands per row make an mma's A fragment for that row;
 * each lane sums its codes in its own K order; x, the B operand, follows the same order (token
   g's pairs by `prmt` from 16-byte loads), so every mma is a sum of exact products of bf16
   values in fp32 (the jnp twins' numerics up to the summation order);
@@ -43,6 +43,7 @@ with jnp tile math (`Format.values`).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -84,6 +85,38 @@ def _acc(blocks: int):
     return plgpu.Layout.WG_STRIDED((128, 4 * GROUPS * blocks), 4 * GROUPS * blocks)
 
 
+class Scales(NamedTuple):
+    """How a tile's block scales reach a lane."""
+    dtype: object       # element type of the scale array
+    slot: tuple         # shared-memory buffer per ring slot (a 128-byte multiple; the box lands
+                        # in its leading rows)
+    box: Callable       # (scale ref in HBM, item, K tile) -> the view one TMA copy brings
+    view: Callable      # (slot ref, K tile) -> what the tile's update reads of the slot
+    read: Callable      # inline: (view, i32 K block in the tile) -> the scales of the lane's 8
+                        # rows 8g..8g+7, as `Format.operands` takes them
+
+
+def row_scales(rows: int, convert: Callable) -> Scales:
+    """uint8 scales [K / block, N], one a row and K block (NVFP4, MXFP8): a tile's [rows, 64]
+    box; ``convert`` turns a vector<8 x i8> of a lane's 8 row scales into 8 values (inline)."""
+
+    def read(view, kb):
+        g = arith.shrui(arith.andi(mgpu_utils.thread_idx(), cst(31)), cst(2))
+        sv = vector.load(ir.VectorType.get((8,), ir.IntegerType.get_signless(8)), view,
+                         [ix(kb), ix(arith.muli(g, cst(8)))], alignment=8)
+        return convert(sv)
+
+    return Scales(dtype=jnp.uint8, slot=(rows, ROWS),
+                  box=lambda s_ref, item, kc: s_ref.at[pl.ds(kc * rows, rows), pl.ds(item * ROWS, ROWS)],
+                  view=lambda slot, kc: slot, read=read)
+
+
+def bf16x2_times(op, scale):
+    """Inline: bf16x2 operand bits times a bf16x2 (s, s) scale, rounded once (exact where the
+    products fit bf16)."""
+    return llvm.inline_asm(ir.IntegerType.get_signless(32), [op, scale], "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r")
+
+
 class Format(NamedTuple):
     """What a weight format brings to the mma GEMV."""
     name: str           # the kernel's name in traces
@@ -91,34 +124,36 @@ class Format(NamedTuple):
     block: int          # codes along K per block scale
     pair: int           # an operand holds codes (i, i + pair) of a word
     factor: float       # every output is multiplied by factor * w_scale_2
-    operands: Callable  # inline: i32 word -> [operand bits (i32, bf16x2 * 2^-k)] for i = 0, 1, ...
-    scale_pairs: Callable  # inline: vector<8 x i8> of 8 rows' scale bytes -> 8 i32 bf16x2 (s, s)
-    values: Callable    # jnp: (codes u8 [64, 256], scales u8 [tile K / block, 64]) -> [64, tile K]
-                        # f32 operand values times their scales, as the GPU multiplies them
+    operands: Callable  # inline: (i32 word, its row's scale from `scales.read`) -> [operand bits
+                        # (i32 bf16x2, the codes' values times the scale)] for i = 0, 1, ...
+    scales: Scales
+    values: Callable    # jnp: (codes u8 [64, 256], the scales' view) -> [64, tile K] f32 operand
+                        # values times their scales, as the GPU multiplies them
     issue_bound: bool = False   # decoding, not memory, bounds a tile: of equally loaded plans
                                 # the one with the fewest K splits (`_plan`)
     wide_ctas_per_sm: int = 1   # 9-16 tokens (a second column block) only where the plan fits
                                 # this many CTAs an SM
+    k_step: int = 1             # K must also be a multiple of this
 
     @property
     def tile_k(self) -> int:
         return TILE_BYTES * self.codes_per_byte
 
     @property
-    def scale_rows(self) -> int:
-        return self.tile_k // self.block
+    def k_multiple(self) -> int:
+        return math.lcm(self.tile_k, self.k_step)
 
 
 def supported(fmt: Format, m: int, n: int, k: int) -> bool:
     """2 <= M <= 16 activation rows (9-16 where `_plan` fits `fmt.wide_ctas_per_sm` CTAs an SM),
-    N a multiple of 64, K a multiple of the tile's K."""
-    return (2 <= m <= MAX_M and n % ROWS == 0 and k % fmt.tile_k == 0
+    N a multiple of 64, K a multiple of the tile's K and `fmt.k_step`."""
+    return (2 <= m <= MAX_M and n % ROWS == 0 and k % fmt.k_multiple == 0
             and (m <= 8 or _plan(fmt, n, k, m)[0] >= fmt.wide_ctas_per_sm))
 
 
 def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, m, interpret):
-    """acc += this tile's products. w_ref [64, 256] u8 codes, s_ref [tile K / block, 64] u8
-    scales (K block, row), x_ref [tile K / 256, 8 * blocks, 256] bf16 (rows past M are not read
+    """acc += this tile's products. w_ref [64, 256] u8 codes, s_ref the tile's scales
+    (`Scales.view`), x_ref [tile K / 256, 8 * blocks, 256] bf16 (rows past M are not read
     into any stored output). Interpret mode: acc [64, M] f32, the same operand values summed by
     XLA."""
     if interpret:
@@ -150,13 +185,11 @@ def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, m, interpret):
                                               [box, ix(arith.addi(g, cst(8 * b))), ix(arith.addi(col, cst(8 * v)))],
                                               alignment=16))
 
-        # block scales of the lane's 8 rows for each K block its codes touch, as bf16x2 (s, s)
+        # block scales of the lane's 8 rows for each K block its codes touch
         kb0 = arith.shrui(first, cst(fmt.block.bit_length() - 1))
         word_codes = 4 * cpb
         blocks = sorted({word_codes * s // fmt.block for s in range(4)})
-        scale = {b: fmt.scale_pairs(vector.load(ir.VectorType.get((8,), i8), s_smem,
-                                                [ix(arith.addi(kb0, cst(b))), ix(arith.muli(g, cst(8)))], alignment=8))
-                 for b in blocks}
+        scale = {b: fmt.scales.read(s_smem, arith.addi(kb0, cst(b))) for b in blocks}
 
         # B operands of word s's mma e in column block b: the x values of the codes in A's
         # k-slots, (x[2e], x[2e + pair]) and (x[2e + 1], x[2e + 1 + pair]) of the word's x
@@ -180,8 +213,7 @@ def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, m, interpret):
                      for row in rows]
             for s in range(4):
                 sc = scale[word_codes * s // fmt.block]
-                ops = [[asm([o, sc[2 * r + h]], "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r") for o in fmt.operands(codes[h][s])]
-                       for h in range(2)]
+                ops = [fmt.operands(codes[h][s], sc[2 * r + h]) for h in range(2)]
                 for e in range(per_word):
                     # A: rows g / g + 8 at k-slots (2c, 2c + 1) = operand 2e, (2c + 8, 2c + 9) = 2e + 1
                     a = [ops[h][2 * e + p] for p in range(2) for h in range(2)]
@@ -301,7 +333,7 @@ def _plan(fmt: Format, n: int, k: int, m: int) -> tuple[int, int]:
     3 % behind 8 splits of 2 tiles); clusters of 3 and 6 placed badly (a second wave at
     4096x12288, part 28)."""
     xr = 8 * _blocks(m)                                     # x rows staged
-    slot = ROWS * TILE_BYTES + fmt.scale_rows * ROWS + xr * fmt.tile_k * 2
+    slot = ROWS * TILE_BYTES + math.prod(fmt.scales.slot) * jnp.dtype(fmt.scales.dtype).itemsize + xr * fmt.tile_k * 2
     items, kt = n // ROWS, k // fmt.tile_k
     smem = lambda s: _STAGES * slot + 4 * xr * ROWS * 4 + 4 + (s - 1) * xr * ROWS * 4   # ring, sums, parts
     plans = [(per_sm, s) for per_sm in range(_CTAS_PER_SM, 0, -1) for s in (1, 2, 4, 8)
@@ -324,7 +356,7 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
     n = w_bytes.shape[0]
     if not supported(fmt, m, n, k) or w_bytes.shape[1] * fmt.codes_per_byte != k:
         wide = f" (9-16 where {fmt.wide_ctas_per_sm} CTAs fit an SM)" if fmt.wide_ctas_per_sm > 1 else ""
-        raise ValueError(f"{fmt.name} serves 2 <= M <= {MAX_M}{wide}, N % {ROWS} == 0, K % {fmt.tile_k} == 0 with "
+        raise ValueError(f"{fmt.name} serves 2 <= M <= {MAX_M}{wide}, N % {ROWS} == 0, K % {fmt.k_multiple} == 0 with "
                          f"codes of K / {fmt.codes_per_byte} bytes; got M={m}, N={n}, K={k}, codes {w_bytes.shape}")
     per_sm, splits = _plan(fmt, n, k, m)
     nb = _blocks(m)
@@ -349,8 +381,8 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
             b = bar.at[slot]
             plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(item * ROWS, ROWS), pl.ds(kc * TILE_BYTES, TILE_BYTES)],
                                     w_smem.at[slot], b)
-            plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(kc * fmt.scale_rows, fmt.scale_rows), pl.ds(item * ROWS, ROWS)],
-                                    s_smem.at[slot], b)
+            box = fmt.scales.box(s_ref, item, kc)
+            plgpu.copy_gmem_to_smem(box, s_smem.at[slot, pl.ds(0, box.shape[0])], b)
             for h in range(x_boxes):
                 plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(kc * fmt.tile_k + h * _X_BOX, _X_BOX)],
                                         x_smem.at[slot, h, pl.ds(0, m)], b)
@@ -363,9 +395,10 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
 
         def step(i, acc):
             slot = lax.rem(i, _STAGES)
-            item, _ = where(i)
+            item, kc = where(i)
             plgpu.barrier_wait(bar.at[slot])
-            acc = _tile_update(fmt, acc, w_smem.at[slot], s_smem.at[slot], x_smem.at[slot], m=m, interpret=interpret)
+            acc = _tile_update(fmt, acc, w_smem.at[slot], fmt.scales.view(s_smem.at[slot], kc), x_smem.at[slot], m=m,
+                               interpret=interpret)
             plgpu.commit_smem()                               # every thread is done with the slot
 
             @pl.when(i + _STAGES < tiles)
@@ -416,7 +449,7 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
                           *([jax.ShapeDtypeStruct((splits, m, n), jnp.float32)] if emulated else [])),
         scratch_types=[plgpu.SMEM((_STAGES, x_boxes, xr, _X_BOX), jnp.bfloat16),
                        plgpu.SMEM((_STAGES, ROWS, TILE_BYTES), jnp.uint8),
-                       plgpu.SMEM((_STAGES, fmt.scale_rows, ROWS), jnp.uint8),
+                       plgpu.SMEM((_STAGES, *fmt.scales.slot), fmt.scales.dtype),
                        plgpu.SMEM((4, xr, ROWS), jnp.float32),
                        plgpu.SMEM((1,), jnp.float32),
                        plgpu.Barrier(num_arrivals=2 + x_boxes, num_barriers=_STAGES),

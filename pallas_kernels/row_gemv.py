@@ -107,20 +107,25 @@ def row_scales(block: int, per_thread: int, convert: Callable, values: Callable)
     return Scales(dtype=jnp.uint8, slot=(rows, ROWS), box=box, read=read, values=values)
 
 
-def decode_e4m3(w0, w1):
-    """The 8 e4m3 bytes of two words as fp32, in K order (byte 0 of w0 first): two per
-    `cvt.rn.f16x2.e4m3x2` (exact), then exact f16 -> fp32 (MXFP8 and block FP8 codes)."""
+def decode_e4m3_word(word):
+    """The 4 e4m3 bytes of a word as fp32, in byte order: two per `cvt.rn.f16x2.e4m3x2` (exact),
+    then exact f16 -> fp32."""
     i16, i32, f32 = (ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32),
                      ir.F32Type.get())
     half2 = ir.VectorType.get((2,), ir.F16Type.get())
     vals = []
-    for word in (w0, w1):
-        for shift in (0, 16):
-            pair = arith.trunci(i16, arith.shrui(word, mgpu_utils.c(shift, i32)) if shift else word)
-            h = llvm.inline_asm(i32, [pair], "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h")
-            v = arith.extf(ir.VectorType.get((2,), f32), mgpu_utils.bitcast(h, half2))
-            vals += [vector.extract(v, [], [0]), vector.extract(v, [], [1])]
+    for shift in (0, 16):
+        pair = arith.trunci(i16, arith.shrui(word, mgpu_utils.c(shift, i32)) if shift else word)
+        h = llvm.inline_asm(i32, [pair], "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h")
+        v = arith.extf(ir.VectorType.get((2,), f32), mgpu_utils.bitcast(h, half2))
+        vals += [vector.extract(v, [], [0]), vector.extract(v, [], [1])]
     return vals
+
+
+def decode_e4m3(w0, w1):
+    """The 8 e4m3 bytes of two words as fp32, in K order (byte 0 of w0 first; MXFP8 and block
+    FP8 codes)."""
+    return decode_e4m3_word(w0) + decode_e4m3_word(w1)
 
 
 def e4m3_values(w):

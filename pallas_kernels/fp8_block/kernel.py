@@ -1,7 +1,8 @@
 """Block-FP8 matmuls on Hopper.
 
 * W8A16 (default): one activation row on a shape the CUDA-core GEMV serves goes there
-  (``gemv.py``); everything else runs the shared dequantizing engine
+  (``gemv.py``), 2-16 rows on a shape the `mma.sync` GEMV serves to it (``mma_gemv.py``);
+  everything else runs the shared dequantizing engine
   (``pallas_kernels/mxfp8/wdequant.py``) with one fp32 scale per 64 x ``tk`` weight tile (the
   tile lies inside one 128x128 block).
 * W8A8 (``act_quant=True``): DeepGEMM's Hopper scheme. Activations are quantized per token
@@ -27,7 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import common
 from pallas_kernels.mxfp8 import wdequant as wd
 
-from . import gemv, w8a8_ws
+from . import gemv, mma_gemv, w8a8_ws
 from .reference import DEFAULT_BLOCK, quantize_activations, validate
 
 COL = plgpu.Layout.WGMMA.reduce(0)
@@ -53,10 +54,12 @@ def matmul_kernel(x, w_q, w_scale_inv, *, block=DEFAULT_BLOCK, act_quant=False, 
     if act_quant:
         y = _w8a8(x2, w_q, w_scale_inv, np_, out_dtype, interpret, **plan_overrides)
         return y.reshape(*lead, n)
-    if not plan_overrides and gemv.supported(x2.shape[0], n, k):
-        y = gemv.gemv(x2.astype(jnp.bfloat16), w_q, w_scale_inv, out_dtype=jnp.dtype(out_dtype),
-                      interpret=interpret)
-        return y.reshape(*lead, n)
+    if not plan_overrides:
+        for form in (gemv, mma_gemv):
+            if form.supported(x2.shape[0], n, k):
+                y = form.gemv(x2.astype(jnp.bfloat16), w_q, w_scale_inv, out_dtype=jnp.dtype(out_dtype),
+                              interpret=interpret)
+                return y.reshape(*lead, n)
     kp = wd.round_up(k, 32)
     # N % 64 / K % 32 padding copies the weight (no real layer needs it).
     w = wd.pad_cols(wd.pad_rows(w_q, np_), kp)

@@ -24,13 +24,13 @@ from pallas_kernels import mma_gemv
 from .reference import BLOCK
 
 
-def _operands(word):
+def _operands(word, scale):
     i32 = ir.IntegerType.get_signless(32)
     cst = lambda v: mgpu_utils.c(v, i32)
     mag, sign = cst(0x07F007F0), cst(0x80008000 - (1 << 32))
     lo = arith.ori(arith.andi(arith.shli(word, cst(4)), mag), arith.andi(arith.shli(word, cst(8)), sign))
     hi = arith.ori(arith.andi(arith.shrui(word, cst(4)), mag), arith.andi(word, sign))
-    return [lo, hi]
+    return [mma_gemv.bf16x2_times(op, scale) for op in (lo, hi)]
 
 
 def _scale_pairs(sv):
@@ -49,7 +49,8 @@ def _values(codes, scales):
 
 
 FORMAT = mma_gemv.Format(name="mxfp8_mma_gemv", codes_per_byte=1, block=BLOCK, pair=2, factor=1.0,
-                         operands=_operands, scale_pairs=_scale_pairs, values=_values, wide_ctas_per_sm=3)
+                         operands=_operands, scales=mma_gemv.row_scales(mma_gemv.TILE_BYTES // BLOCK, _scale_pairs),
+                         values=_values, wide_ctas_per_sm=3)
 
 
 def supported(m: int, n: int, k: int) -> bool:

@@ -26,7 +26,7 @@ from . import gemv as one_row
 from .reference import BLOCK
 
 
-def _operands(word):
+def _operands(word, scale):
     i32 = ir.IntegerType.get_signless(32)
     cst = lambda v: mgpu_utils.c(v, i32)
     keep, high, out = cst(0x81C081C0 - (1 << 32)), arith.shrui(word, cst(8)), []
@@ -34,7 +34,7 @@ def _operands(word):
         p = 4 * (i % 2)
         codes = arith.andi(word if i < 2 else high, cst(0x000F000F << p))
         out.append(arith.andi(arith.muli(codes, cst((1 << (6 - p)) + (1 << (12 - p)))), keep))
-    return out
+    return [mma_gemv.bf16x2_times(op, scale) for op in out]
 
 
 def _scale_pairs(sv):
@@ -53,7 +53,8 @@ def _values(codes, scales):
 
 
 FORMAT = mma_gemv.Format(name="nvfp4_mma_gemv", codes_per_byte=2, block=BLOCK, pair=4, factor=2.0 ** 10,
-                         operands=_operands, scale_pairs=_scale_pairs, values=_values, issue_bound=True)
+                         operands=_operands, scales=mma_gemv.row_scales(2 * mma_gemv.TILE_BYTES // BLOCK, _scale_pairs),
+                         values=_values, issue_bound=True)
 
 
 def supported(m: int, n: int, k: int) -> bool:

@@ -19,7 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "quant"))
 import quant_oracle as orc  # noqa: E402
 
 from kk_jax.quant import fp8_block as q  # noqa: E402
-from pallas_kernels.fp8_block import gemv, matmul, matmul_kernel, matmul_reference, quantize_activations  # noqa: E402
+from pallas_kernels import mma_gemv as mma_kernel  # noqa: E402
+from pallas_kernels.fp8_block import (gemv, matmul, matmul_kernel, matmul_reference, mma_gemv,  # noqa: E402
+                                      quantize_activations)
 
 
 def make(m, n, k, seed=0):
@@ -90,6 +92,49 @@ def test_one_row_runs_the_gemv(n, k, sms, gemv_spy):
     assert not gemv.supported(1, n, 512)                  # a scale box wider than the scale rows
 
 
+@pytest.mark.parametrize("m,n,k,sms,splits", [
+    (2, 64, 2048, None, 2),     # one item: its 8 K tiles split over a cluster of 2
+    (5, 320, 1536, 1, 1),       # 5 items (the last half a 128-row block) share one SM's CTAs, 6 tiles each
+    (12, 128, 2048, None, 2),   # two 8-token column blocks, the second partly filled
+    (16, 320, 1024, 1, 1),      # five items unevenly over 3 CTAs, 4 tiles each refill the ring
+])
+def test_mma_gemv_matches_oracle(m, n, k, sms, splits, gemv_spy):
+    """The tensor-core GEMV's weights are bf16(f32(w_q) * scale) as the twin's (fp32 and bf16
+    out): each tile reads its 2 of a slot's 4 block scales, K splits add their sums, the ring
+    refills; the blocks' scales span 2^-6 .. 2^6."""
+    calls = gemv_spy(mma_gemv, sms, items=n // 64, tiles=k // 256, kernel=mma_kernel)
+    assert mma_kernel._plan(mma_gemv.FORMAT, n, k, m)[1] == splits
+    x, wq, ws = make(m, n, k, seed=n + m)
+    x = x.astype(jnp.bfloat16)
+    y = mma_gemv.gemv(x, wq, ws, out_dtype=jnp.float32, interpret=True)
+    assert calls and y.shape == (m, n)
+    assert orc.rel_err(y, oracle_w8a16(x, wq, ws)) < 1e-6
+    yb = mma_gemv.gemv(x, wq, ws, out_dtype=jnp.bfloat16, interpret=True)
+    assert yb.dtype == jnp.bfloat16 and orc.rel_err(yb, oracle_w8a16(x, wq, ws)) < 4e-3
+
+
+def test_few_rows_on_many_weight_rows_run_the_mma_gemv(monkeypatch, gemv_spy):
+    """2-16 W8A16 rows go to the mma GEMV from MIN_N weight rows (here lowered to 64), W8A8 keeps
+    its kernel; K a multiple of 512 (a TMA box of 4 block scales), N of 64; 9-16 rows where the
+    plan fits 3 CTAs an SM."""
+    assert mma_gemv.supported(2, 7168, 2048) and mma_gemv.supported(16, 24576, 4096)
+    assert not mma_gemv.supported(8, 6144, 4096) and not mma_gemv.supported(16, 12288, 4096 + 256)
+    assert not mma_gemv.supported(1, 12288, 4096) and not mma_gemv.supported(17, 12288, 4096)
+    monkeypatch.setattr(mma_gemv, "MIN_N", 64)
+    assert not mma_gemv.supported(16, 2048, 4096) and mma_gemv.supported(8, 2048, 4096)
+    calls = gemv_spy(mma_gemv)
+    x, wq, ws = make(4, 128, 1024, seed=4)
+    y = matmul_kernel(x, wq, ws, out_dtype=jnp.float32, interpret=True)
+    assert len(calls) == 1 and orc.rel_err(y, oracle_w8a16(x, wq, ws)) < 1e-6
+    yq = matmul_kernel(x, wq, ws, act_quant=True, out_dtype=jnp.float32, interpret=True)
+    assert len(calls) == 1 and orc.rel_err(yq, oracle_w8a8(x, wq, ws)) < 1e-5
+    x, wq, ws = make(4, 64, 768, seed=2)                  # K = 768: the engine
+    assert orc.rel_err(matmul_kernel(x, wq, ws, out_dtype=jnp.float32, interpret=True), oracle_w8a16(x, wq, ws)) < 1e-5
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="fp8_block_mma_gemv serves 2 <= M <= 16 .*K % 512 == 0"):
+        mma_gemv.gemv(x.astype(jnp.bfloat16), wq, ws, out_dtype=jnp.float32, interpret=True)
+
+
 def test_activation_quantization_rule():
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 200)).astype(np.float32))
     x = x.at[1, 128:].set(0.0)                        # an all-zero group gets scale 1
@@ -124,7 +169,9 @@ def test_lowers_for_hopper(m, act_quant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("act_quant", [False, True])
-@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 2048, 7168), (300, 512, 1024), (1100, 384, 640), (1100, 2560, 640)])
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 2048, 7168), (300, 512, 1024), (1100, 384, 640), (1100, 2560, 640),
+                                   (2, 12288, 4096), (8, 7168, 2048), (9, 24576, 4096), (16, 10240, 4096),
+                                   (5, 4096, 4096), (12, 4096, 12288)])
 def test_compiled_kernel_matches_oracle(m, n, k, act_quant):
     x, wq, ws = make(m, n, k, seed=5)
     y = matmul(x, wq, ws, act_quant=act_quant, backend="pallas", out_dtype=jnp.float32)

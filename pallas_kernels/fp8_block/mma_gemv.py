@@ -1,0 +1,76 @@
+"""Block FP8 (W8A16) on the mma GEMV for 2-16 activation rows (`pallas_kernels/mma_gemv.py`; 9-16
+only where the plan fits 3 CTAs an SM): one e4m3 code a byte, one fp32 scale per 128x128 block.
+
+* operands: a word's 4 codes become fp32 (`row_gemv.decode_e4m3_word`, exact), each is
+  multiplied by its block's fp32 scale and rounded to bf16 (`cvt.rn.bf16x2.f32`), operand i =
+  codes (i, i + 2): the format's W8A16 weights ``bf16(f32(w_q) * scale)`` (`reference.py`) bit
+  for bit, so the kernel agrees with the jnp twin up to the summation order;
+* scales: an item's 64 rows lie in one 128-row block and a lane's 16 codes in one 128-column
+  block, so a lane reads one fp32 a tile. A ring slot takes 4 of the item's block-row scales
+  (16 bytes, TMA's least box: two tiles' worth) and a tile reads its 2 of them, so K must be a
+  multiple of 512;
+* the outputs are multiplied by 1.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm, memref
+from jax.experimental import pallas as pl
+
+from pallas_kernels import mma_gemv, row_gemv
+from pallas_kernels.common import cst, ix
+
+BLOCK = 128
+_BOX = 4                     # block scales a TMA copy brings: 16 bytes
+_TILE_BLOCKS = mma_gemv.TILE_BYTES // BLOCK
+
+
+def _operands(word, scale):
+    """bf16x2 (bf16(w_i * s), bf16(w_{i+2} * s)) for i = 0, 1."""
+    i32 = ir.IntegerType.get_signless(32)
+    v = [arith.mulf(w, scale) for w in row_gemv.decode_e4m3_word(word)]
+    return [llvm.inline_asm(i32, [v[i + 2], v[i]], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f") for i in range(2)]
+
+
+def _read(view, kb):
+    """The tile's scale of K block kb, the same for the lane's 8 rows."""
+    return [memref.load(view, [cst(0, ir.IndexType.get()), ix(kb)])] * 8
+
+
+SCALES = mma_gemv.Scales(
+    dtype=jnp.float32, slot=(8, _BOX),                     # 128 bytes, TMA's slot alignment
+    box=lambda s_ref, item, kc: s_ref.at[pl.ds(item * mma_gemv.ROWS // BLOCK, 1),
+                                         pl.ds(kc // (_BOX // _TILE_BLOCKS) * _BOX, _BOX)],
+    view=lambda slot, kc: slot.at[pl.ds(0, 1), pl.ds(lax.rem(kc, _BOX // _TILE_BLOCKS) * _TILE_BLOCKS, _TILE_BLOCKS)],
+    read=_read)
+
+
+def _values(codes, scales):
+    """jnp: bf16(f32(e4m3) * scale) as f32 (reduce_precision: kept by XLA on the CPU)."""
+    w = row_gemv.e4m3_values(codes) * jnp.repeat(scales[0], BLOCK)
+    return lax.reduce_precision(w, exponent_bits=8, mantissa_bits=7)
+
+
+FORMAT = mma_gemv.Format(name="fp8_block_mma_gemv", codes_per_byte=1, block=BLOCK, pair=2, factor=1.0,
+                         operands=_operands, scales=SCALES, values=_values, wide_ctas_per_sm=3,
+                         k_step=BLOCK * _BOX)
+
+
+# Weight rows from which 2-16 activation rows take this GEMV: on the H200 it ran 1.07-1.38x the
+# wgmma engine at 2-8 rows and 1.0-1.28x at 16 from 7168 rows (7168x2048, 10240, 12288 and
+# 24576 x 4096), 0.87-0.99x on 2048-6144 rows (RESULTS.md, part 31).
+MIN_N = 7168
+
+
+def supported(m: int, n: int, k: int) -> bool:
+    return n >= MIN_N and mma_gemv.supported(FORMAT, m, n, k)
+
+
+def gemv(x, w_q, w_scale_inv, *, out_dtype, interpret=False):
+    """x [M, K] bf16 (2 <= M <= 16, `supported`), w_q [N, K] e4m3, w_scale_inv [ceil(N/128), K/128]
+    f32 -> [M, N] out_dtype."""
+    return mma_gemv.gemv(FORMAT, x, lax.bitcast_convert_type(w_q, jnp.uint8), w_scale_inv,
+                         jnp.ones((1,), jnp.float32), out_dtype=out_dtype, interpret=interpret)
