@@ -1,5 +1,6 @@
-"""Block FP8 (W8A16) on the mma GEMV for 2-16 activation rows (`pallas_kernels/mma_gemv.py`; 9-16
-only where the plan fits 3 CTAs an SM): one e4m3 code a byte, one fp32 scale per 128x128 block.
+"""Block FP8 (W8A16) on the mma GEMV for 2-16 activation rows (`pallas_kernels/mma_gemv.py`) of
+weights with at least `MIN_N` rows (9-16 rows only where the plan fits 3 CTAs an SM): one e4m3
+code a byte, one fp32 scale per 128x128 block.
 
 * operands: a word's 4 codes become fp32 (`row_gemv.decode_e4m3_word`, exact), each is
   multiplied by its block's fp32 scale and rounded to bf16 (`cvt.rn.bf16x2.f32`), operand i =

@@ -169,10 +169,12 @@ def test_lowers_for_hopper(m, act_quant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("act_quant", [False, True])
-@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 2048, 7168), (300, 512, 1024), (1100, 384, 640), (1100, 2560, 640),
-                                   (2, 12288, 4096), (8, 7168, 2048), (9, 24576, 4096), (16, 10240, 4096),
-                                   (5, 4096, 4096), (12, 4096, 12288)])
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 2048, 7168), (300, 512, 1024), (1100, 384, 640),
+                                   (1100, 2560, 640), (2, 12288, 4096), (8, 7168, 2048), (9, 24576, 4096),
+                                   (16, 10240, 4096), (5, 4096, 4096), (12, 4096, 12288)])
 def test_compiled_kernel_matches_oracle(m, n, k, act_quant):
+    """W8A16: one row on the GEMV; 2-16 rows of 7168 weight rows and more on the mma GEMV (K
+    splits, two column blocks), of 4096 on the engine; the prefill forms. W8A8: its kernels."""
     x, wq, ws = make(m, n, k, seed=5)
     y = matmul(x, wq, ws, act_quant=act_quant, backend="pallas", out_dtype=jnp.float32)
     oracle = oracle_w8a8 if act_quant else oracle_w8a16
