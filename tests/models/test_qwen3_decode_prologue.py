@@ -2,7 +2,6 @@
 the attention kernel on the prepared queries), Mosaic GPU interpret mode, against the jnp path
 of the same layer."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
