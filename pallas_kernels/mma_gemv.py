@@ -345,8 +345,10 @@ def _plan(fmt: Format, n: int, k: int, m: int) -> tuple[int, int]:
 
 @functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "interpret"))
 def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
-    """x [M, K] bf16 (2 <= M <= 16), w_bytes uint8 [N, K / codes_per_byte], scales uint8
-    [K / block, N], w_scale_2 f32 (one value) -> [M, N] out_dtype (`supported` shapes).
+    """x [M, K] bf16 (2 <= M <= 16), w_bytes uint8 [N, K / codes_per_byte], scales the
+    format's block scales in HBM (`Format.scales`: uint8 [K / block, N] for NVFP4 and MXFP8, fp32
+    [ceil(N / 128), K / 128] for block FP8), w_scale_2 f32 (one value) -> [M, N] out_dtype
+    (`supported` shapes).
 
     With K splits (`_plan`) a cluster's members write their sums into the first member's shared
     memory and the first adds them after a cluster barrier; the Mosaic GPU interpreter has no
