@@ -1,5 +1,8 @@
 """Helpers shared by the Mosaic GPU kernels of this package."""
 
+import ctypes
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +25,75 @@ def num_sms() -> int:
     except RuntimeError:
         pass
     return 132
+
+
+_PROBE_PTX = b".version 7.8\n.target sm_90\n.address_size 64\n.visible .entry probe() { ret; }\n"
+
+
+class _LaunchAttr(ctypes.Structure):      # CUlaunchAttribute: id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_uint * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):    # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)), ("n_attrs", ctypes.c_uint)]
+
+
+@functools.cache
+def max_active_clusters(size: int, ctas_per_sm: int, threads: int = 128) -> int:
+    """Clusters of ``size`` CTAs of ``threads`` threads that the default GPU runs at once when
+    shared memory lets ``ctas_per_sm`` CTAs share an SM: the CUDA driver's occupancy answer for a
+    kernel sized so. A cluster's CTAs share one GPU processing cluster (GPC), so this can be
+    below ``num_sms() * ctas_per_sm // size``: the H200 holds 92 clusters of 4 CTAs at 3 CTAs an
+    SM, not 99, and 30 of 33 at one (RESULTS.md, part 32); clusters of 2 fill every place. A
+    grid of more clusters runs part of them after the others, or with an extra CTA on some SMs.
+    Without a GPU or its driver, that upper bound."""
+    bound = num_sms() * ctas_per_sm // size
+    try:
+        return min(bound, _driver_max_clusters(size, ctas_per_sm, threads))
+    except (RuntimeError, OSError):
+        return bound
+
+
+def _driver_max_clusters(size: int, ctas_per_sm: int, threads: int) -> int:
+    """``cuOccupancyMaxActiveClusters`` for an empty kernel (`_PROBE_PTX`) whose dynamic shared
+    memory lets ``ctas_per_sm`` CTAs share an SM, on the default GPU's primary context."""
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        raise RuntimeError("no GPU")
+    cu = ctypes.CDLL("libcuda.so.1")
+
+    def call(name, *args):
+        if getattr(cu, name)(*args):
+            raise OSError(f"{name} failed")
+
+    handle, ctx, mod, fn = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+    per_sm, reserved, n = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    call("cuInit", 0)
+    call("cuDeviceGet", ctypes.byref(handle), dev.local_hardware_id)
+    call("cuDeviceGetAttribute", ctypes.byref(per_sm), 81, handle)       # shared memory an SM
+    call("cuDeviceGetAttribute", ctypes.byref(reserved), 111, handle)    # reserved a CTA
+    smem = per_sm.value // ctas_per_sm - reserved.value
+    attr = _LaunchAttr(id=4)                                             # cluster dimension
+    attr.value[:3] = (size, 1, 1)
+    config = _LaunchConfig((ctypes.c_uint * 3)(size, 1, 1), (ctypes.c_uint * 3)(threads, 1, 1), smem,
+                           None, ctypes.pointer(attr), 1)
+    call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), handle)
+    try:
+        call("cuCtxPushCurrent_v2", ctx)
+        try:
+            call("cuModuleLoadData", ctypes.byref(mod), ctypes.c_char_p(_PROBE_PTX))
+            try:
+                call("cuModuleGetFunction", ctypes.byref(fn), mod, b"probe")
+                call("cuFuncSetAttribute", fn, 8, smem)                  # most dynamic shared memory
+                call("cuOccupancyMaxActiveClusters", ctypes.byref(n), fn, ctypes.byref(config))
+                return n.value
+            finally:
+                cu.cuModuleUnload(mod)
+        finally:
+            cu.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    finally:
+        cu.cuDevicePrimaryCtxRelease_v2(handle)
 
 
 def interpret_kwargs(interpret) -> dict:

@@ -58,7 +58,7 @@ from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import cst, gpu_fence, hand_synced, interpret_kwargs, ix, num_sms
+from pallas_kernels.common import cst, gpu_fence, hand_synced, interpret_kwargs, ix, max_active_clusters, num_sms
 
 ROWS = 64                    # weight rows per item
 GROUPS = ROWS // 16          # m16 row groups per item
@@ -322,22 +322,26 @@ def _finish(red_ref, parts_ref, s2_ref, y_ref, *, m, splits, factor, interpret):
 def _plan(fmt: Format, n: int, k: int, m: int) -> tuple[int, int]:
     """(CTAs per SM, K splits). A K split is a cluster of 2, 4 or 8 CTAs sharing an item, each
     over its own K tiles, at least _MIN_K codes of K. Of the pairs whose CTAs fit an SM's shared
-    memory and keep every cluster in the first wave (so that with splits every cluster takes one
-    item), the one that leaves the fewest K tiles to the busiest SM, ceil(CTAs / SMs) CTAs of K
-    tiles / splits each; of equally loaded ones, the most CTAs an SM (MXFP8 at 16 tokens: 2
-    splits at 3 CTAs an SM ran 9.3 us at 4096x4096 against 12.0 for 4 splits at 2, RESULTS.md
-    part 31), then the fewest splits where decoding bounds the tile (NVFP4: more CTAs an SM add
-    merge work, not throughput), else the most (MXFP8: more CTAs an SM keep more bytes in
-    flight). Sweeps of forced splits on the H200 (RESULTS.md, part 30) found this rule's choice
-    fastest or within 1 % on 11 of the 12 shapes and formats swept at 8 tokens (MXFP8 2048x4096:
-    3 % behind 8 splits of 2 tiles); clusters of 3 and 6 placed badly (a second wave at
-    4096x12288, part 28)."""
+    memory and keep every cluster in the first wave as the GPU places clusters (so that with
+    splits every cluster takes one item), the one that leaves the fewest K tiles to the busiest
+    SM, ceil(CTAs / SMs) CTAs of K tiles / splits each; of equally loaded ones, the most CTAs an
+    SM (MXFP8 at 16 tokens: 2 splits at 3 CTAs an SM ran 9.3 us at 4096x4096 against 12.0 for 4
+    splits at 2, RESULTS.md part 31), then the fewest splits where decoding bounds the tile
+    (NVFP4: more CTAs an SM add merge work, not throughput), else the most (MXFP8: more CTAs an
+    SM keep more bytes in flight). Sweeps of forced splits on the H200 (RESULTS.md, part 30)
+    found this rule's choice fastest or within 1 % on 11 of the 12 shapes and formats swept at 8
+    tokens (MXFP8 2048x4096: 3 % behind 8 splits of 2 tiles); clusters of 3 and 6 placed badly
+    (a second wave at 4096x12288, part 28). The placement (`max_active_clusters`) matters where
+    clusters of 4 or 8 fill nearly every place: 96 clusters of 4 at 3 CTAs an SM, where the
+    H200 holds 92, ran 9.8-12.5 us at 6144x4096 and 2-8 tokens, against 8.9-11.2 for 2 splits,
+    in all three formats (part 32)."""
     xr = 8 * _blocks(m)                                     # x rows staged
     slot = ROWS * TILE_BYTES + math.prod(fmt.scales.slot) * jnp.dtype(fmt.scales.dtype).itemsize + xr * fmt.tile_k * 2
     items, kt = n // ROWS, k // fmt.tile_k
     smem = lambda s: _STAGES * slot + 4 * xr * ROWS * 4 + 4 + (s - 1) * xr * ROWS * 4   # ring, sums, parts
     plans = [(per_sm, s) for per_sm in range(_CTAS_PER_SM, 0, -1) for s in (1, 2, 4, 8)
-             if kt % s == 0 and (s == 1 or (kt // s * fmt.tile_k >= _MIN_K and items * s <= num_sms() * per_sm))
+             if kt % s == 0 and (s == 1 or (kt // s * fmt.tile_k >= _MIN_K and items * s <= num_sms() * per_sm
+                                            and items <= max_active_clusters(s, per_sm)))
              and (per_sm == 1 or per_sm * (smem(s) + _CTA_SMEM_RESERVE) <= _SM_SMEM)]
     return min(plans, key=lambda p: (-(-items * p[1] // num_sms()) * (kt // p[1]), -p[0],
                                      p[1] if fmt.issue_bound else -p[1]))

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "quant"))
 import quant_oracle as orc  # noqa: E402
 
 from kk_jax.quant import mxfp8 as q  # noqa: E402
-from pallas_kernels.common import SMEM_PER_CTA  # noqa: E402
+from pallas_kernels.common import SMEM_PER_CTA, max_active_clusters, num_sms  # noqa: E402
 from pallas_kernels import mma_gemv as mma_kernel  # noqa: E402
 from pallas_kernels.mxfp8 import gemv, matmul, matmul_kernel, matmul_reference, mma_gemv  # noqa: E402
 
@@ -114,6 +114,39 @@ def test_nine_to_sixteen_rows_need_three_ctas_an_sm():
         mma_gemv.gemv(x, wq, ws, out_dtype=jnp.float32, interpret=True)
 
 
+def test_plan_keeps_clusters_the_gpu_can_place(monkeypatch):
+    """Clusters of 4 that need more places than the GPU's clusters offer take 2 splits instead
+    (the H200's counts: 92 clusters of 4 at 3 CTAs an SM; 6144x4096 has 96 items); where they fit
+    (4096x4096: 64) the plan keeps them. NVFP4's equal-load tie goes to one split."""
+    from pallas_kernels.nvfp4 import mma_gemv as nvfp4_mma
+
+    h200 = {(4, 3): 92, (8, 3): 45, (4, 2): 62, (8, 2): 30, (4, 1): 30, (8, 1): 15}
+    monkeypatch.setattr(mma_kernel, "num_sms", lambda: 132)
+    monkeypatch.setattr(mma_kernel, "max_active_clusters", lambda s, per_sm: h200.get((s, per_sm), 132 * per_sm // s))
+    assert mma_kernel._plan(mma_gemv.FORMAT, 6144, 4096, 8) == (3, 2)
+    assert mma_kernel._plan(nvfp4_mma.FORMAT, 6144, 4096, 2) == (3, 1)
+    assert mma_kernel._plan(mma_gemv.FORMAT, 4096, 4096, 8) == (3, 4)
+    monkeypatch.setattr(mma_kernel, "max_active_clusters", lambda s, per_sm: 132 * per_sm // s)
+    assert mma_kernel._plan(mma_gemv.FORMAT, 6144, 4096, 8) == (3, 4)
+
+
+def test_cluster_places_without_a_gpu():
+    """No GPU driver to ask: every place an SM offers counts."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU answers for itself (test_cluster_places_from_the_driver)")
+    assert max_active_clusters(4, 3) == num_sms() * 3 // 4 and max_active_clusters(8, 1) == num_sms() // 8
+
+
+@pytest.mark.gpu
+def test_cluster_places_from_the_driver():
+    """The driver's answer: clusters of 2 fill every place; those of 4 and 8 may fall short (the
+    H200: 92 clusters of 4 at 3 CTAs an SM, 45 of 8)."""
+    assert max_active_clusters(2, 3) == num_sms() * 3 // 2
+    assert 0 < max_active_clusters(4, 3) <= num_sms() * 3 // 4 and 0 < max_active_clusters(8, 1) <= num_sms() // 8
+    if "H200" in jax.devices()[0].device_kind:
+        assert (max_active_clusters(4, 3), max_active_clusters(8, 3)) == (92, 45)
+
+
 def test_bf16_output_and_leading_dims():
     x, wq, ws = make(6, 64, 128, seed=3)
     y = matmul(x.reshape(2, 3, 128).astype(jnp.bfloat16), wq, ws, interpret=True)
@@ -189,7 +222,7 @@ def test_lowers_for_hopper(m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 2048, 1536), (8, 1, 96), (300, 512, 1024), (1100, 384, 640),
                                    (1100, 2560, 640), (2, 4096, 4096), (8, 4096, 12288), (5, 2048, 4096),
-                                   (3, 12288, 4096), (4, 256, 8192),
+                                   (3, 12288, 4096), (4, 256, 8192), (8, 6144, 4096),
                                    (16, 4096, 4096), (12, 12288, 4096), (9, 4096, 12288), (16, 2048, 4096)])
 def test_compiled_kernel_matches_oracle(m, n, k):
     """M = 2-16 on the mma GEMV (K split over clusters of 2, 4 and 8 CTAs; 9-16 on two column
