@@ -183,9 +183,10 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
         try:
             await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if not task.done():
-                task.cancel()                  # aborts the requests and frees their pages
             gone.cancel()
+            if not task.done():
+                task.cancel()                  # aborts the requests and frees their pages,
+                await asyncio.wait({task})     # which is done once the task has ended
         if task.cancelled():
             raise APIError(400, "client disconnected")
         task.result()
