@@ -12,6 +12,11 @@ at M = 2048 / 8192 on 4096x4096, 12288x4096 and 4096x12288, against 261-304 for 
 one-warpgroup kernel and 980-1344 for XLA's unscaled e4m3 dot. Bringing the activation scales
 through the TMA ring instead of a global load per K group gave ~20 %.
 
+CTAs run in pairs along N (a 2-CTA cluster where N has an even number of 128-row blocks) that
+share the token tile by TMA multicast, in the warp-specialized forms' launch order
+(``prefill_ws.tile_of``): at M = 8192 on the three weights above 879-924 -> 930-983 TFLOP/s,
+M = 2048 within +-1 % (887-984 TFLOP/s), results bit-identical (H200, RESULTS.md part 33).
+
 GPU only (Mosaic GPU's interpreter does not model warp-specialized pipelines): interpret mode and
 decode-shaped calls keep ``kernel.py``'s form.
 """
@@ -27,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mxfp8 import wdequant as wd
-from pallas_kernels.mxfp8.prefill_ws import RB, store_wg_tile, ws_call
+from pallas_kernels.mxfp8.prefill_ws import RB, store_wg_tile, tile_of, ws_call
 
 # per CTA: RB = 128 weight rows (one block row, two math warpgroups x 64) x BM tokens
 BM = 128                     # tokens per CTA; 64 and 192 measured slower (RESULTS.md part 13)
@@ -44,13 +49,14 @@ def prefill_matmul(xq, sxt, w, sw, *, out_dtype):
     if m % BM or n % RB or k % 128:
         raise ValueError(f"operands not padded for the warp-specialized W8A8 form: M={m} N={n} K={k}")
     f8, f32 = jnp.float8_e4m3fn, jnp.float32
+    cluster = 2 if n % (2 * RB) == 0 else 1          # pairs of weight blocks share the token tile
 
     def kernel(x_gmem, sx_gmem, w_gmem, sw_gmem, o_gmem, o_smem):
-        nb, mb = lax.axis_index("n"), lax.axis_index("m")
+        nb, mb = tile_of(n, m, BM, cluster)
 
         def compute_context(eval_pipeline):
             acc = eval_pipeline(plgpu.layout_cast(jnp.zeros((64, BM), f32), wd.WGMMA))
-            store_wg_tile(acc, o_smem, o_gmem, BM)
+            store_wg_tile(acc, o_smem, o_gmem, BM, nb, mb)
 
         def body(idx, w_smem, x_smem, sx_smem, acc):
             (kk,) = idx
@@ -69,7 +75,8 @@ def prefill_matmul(xq, sxt, w, sw, *, out_dtype):
             body, grid=(k // 128,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=STAGES, compute_context=compute_context,
             in_specs=[plgpu.BlockSpec((RB, 128), lambda kk: (nb, kk), transforms=wd.smem_tile(f8, 128)),
-                      plgpu.BlockSpec((BM, 128), lambda kk: (mb, kk), transforms=wd.smem_tile(f8, 128)),
+                      plgpu.BlockSpec((BM, 128), lambda kk: (mb, kk), transforms=wd.smem_tile(f8, 128),
+                                      collective_axes=("cl",) if cluster > 1 else ()),
                       plgpu.BlockSpec((1, BM), lambda kk: (kk, mb))])(w_gmem, x_gmem, sx_gmem)
 
-    return ws_call(kernel, m, n, BM, out_dtype)(xq, sxt, w, sw)
+    return ws_call(kernel, m, n, BM, out_dtype, cluster)(xq, sxt, w, sw)

@@ -10,9 +10,19 @@ weight rows per CTA, conversion and ``wgmma`` in turn) cannot overlap.
 One H200, same process (RESULTS.md, 2026-11-30 part 12; results equal to XLA's
 dequantize-then-dot bit for bit): at M = 2048 MXFP8 4096x4096 107.6 us against 171.2 us for the
 one-warpgroup engine (1.14x XLA's bf16 dot), 12288x4096 332 against 515 us; block FP8 107.7 /
-326.0 against 155.3 / 466.5 us. At M = 8192 it reaches 560-590 TFLOP/s, behind XLA's
-dequantize-then-dot (0.79-0.85x against 0.88-0.92x XLA bf16), so the linear layers hand such
-chunks to XLA (``linear.kernel_max_rows``).
+326.0 against 155.3 / 466.5 us.
+
+The launch order (`tile_of`) walks 2048 tokens' tiles for each weight block before the next
+block, so that the CTAs resident at once share a few token and weight tiles instead of every
+weight block of one token tile. At M = 8192 that made the form 5-7 % faster (MXFP8 4096x4096 /
+12288x4096 / 4096x12288: 408.9 / 1228.3 / 1182.6 -> 387.2 / 1150.6 / 1116.1 us; block FP8 3-7 %;
+results bit-identical) and left M = 2048 unchanged; groups of 1024 or 4096 tokens were slower
+(H200, RESULTS.md part 33). Then MXFP8 runs 0.97-1.02x XLA's bf16 dot at M = 8192 and beats
+XLA's dequantize-then-dot on the two large weights, so the linear layers keep it at every row
+count (``linear.kernel_max_rows``). 2-CTA clusters sharing the token tile by TMA multicast (as
+the W8A8 form does) gained 0-3 % for block FP8 and nothing with the launch order; for MXFP8 they
+gave wrong results (the deferred ``wgmma`` wait below with the cluster-wide release of the
+slots), so neither takes them.
 
 With a pipeline of three or more stages, an MXFP8 step (two or more ``wgmma`` groups) waits
 for all but its last group, which keeps the tensor cores busy while the next tile is dequantized
@@ -41,6 +51,7 @@ from pallas_kernels.common import SMEM_PER_CTA
 from . import wdequant as wd
 
 RB = 128                     # weight rows per CTA: two compute warpgroups x 64
+GROUP_TOKENS = 2048          # tokens of the launch order's groups (`tile_of`)
 FORMATS = ("mxfp8", "fp8_block")
 # (tk, stages) in order of preference per format (the first that fits SMEM_PER_CTA with the output
 # tile): one H200 at M = 2048 / 8192, bm = 256: MXFP8 best at tk 64 with 3-4 stages, block FP8
@@ -69,11 +80,30 @@ def config(fmt: str, m: int, n: int, k: int, out_dtype) -> tuple[int, int, int] 
     return None
 
 
-def store_wg_tile(acc, o_smem, o_gmem, bm: int) -> None:
+def launch_order(t, n_units: int, m_blocks: int, group: int):
+    """(weight unit, token tile) of the t-th CTA (cluster) launched: ``group`` token tiles for
+    each weight unit, then the next unit; after the last unit the next group of token tiles (the
+    last group may be shorter). A bijection of [0, n_units * m_blocks) (works on ints and traced
+    values alike)."""
+    first = t // (group * n_units) * group
+    size = jnp.minimum(m_blocks - first, group)
+    r = t % (group * n_units)
+    return r // size, first + r % size
+
+
+def tile_of(n: int, m: int, bm: int, cluster: int):
+    """(weight block, token tile) of this CTA: `launch_order` over groups of ``GROUP_TOKENS``
+    tokens, so that the CTAs resident at once share their token and weight tiles (L2 reuse); a
+    2-CTA cluster's unit is a pair of adjacent weight blocks, one a member."""
+    unit, mb = launch_order(lax.axis_index("t"), n // RB // cluster, m // bm, max(1, GROUP_TOKENS // bm))
+    return (unit if cluster == 1 else unit * cluster + lax.axis_index("cl")), mb
+
+
+def store_wg_tile(acc, o_smem, o_gmem, bm: int, nb, mb) -> None:
     """Epilogue of a compute warpgroup of a warp-specialized form: its [64 weight rows, bm tokens]
-    fp32 accumulator (value) to ``o_gmem[tokens, rows]`` in the output dtype, through its half of
-    the [2, bm, 64] SMEM tile."""
-    wg, nb, mb = lax.axis_index("wg"), lax.axis_index("n"), lax.axis_index("m")
+    fp32 accumulator (value) to ``o_gmem[tokens, rows]`` of weight block ``nb`` and token tile
+    ``mb`` in the output dtype, through its half of the [2, bm, 64] SMEM tile."""
+    wg = lax.axis_index("wg")
     dst = o_smem.at[wg]
     dst.T[...] = plgpu.layout_cast(acc.astype(o_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
     plgpu.commit_smem()
@@ -81,15 +111,17 @@ def store_wg_tile(acc, o_smem, o_gmem, bm: int) -> None:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def ws_call(kernel, m: int, n: int, bm: int, out_dtype):
-    """The launch shared by the warp-specialized forms: grid (N / 128 weight blocks "n", M / bm
-    token tiles "m"), three warpgroups "wg" (two compute, one TMA), an [M, N] output and the
-    compute warpgroups' [2, bm, 64] output tile as scratch."""
+def ws_call(kernel, m: int, n: int, bm: int, out_dtype, cluster: int = 1):
+    """The launch shared by the warp-specialized forms: one CTA per output tile of 128 weight
+    rows x bm tokens, in clusters of ``cluster`` CTAs "cl" along N, in `tile_of`'s order (grid
+    "t"), three warpgroups "wg" (two compute, one TMA), an [M, N] output and the compute
+    warpgroups' [2, bm, 64] output tile as scratch."""
     out_dtype = jnp.dtype(out_dtype)
+    clusters = dict(cluster=(cluster,), cluster_names=("cl",)) if cluster > 1 else {}
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         scratch_types=(plgpu.SMEM((2, bm, 64), out_dtype, transforms=wd.smem_tile(out_dtype, 64)),),
-        grid=(n // RB, m // bm), grid_names=("n", "m"), num_threads=3, thread_name="wg",
+        grid=(n // RB // cluster * (m // bm),), grid_names=("t",), num_threads=3, thread_name="wg", **clusters,
         compiler_params=plgpu.CompilerParams(approx_math=True))
 
 
@@ -112,14 +144,14 @@ def prefill_matmul(x, w, scale, *, fmt: str, bm: int, tk: int, stages: int, out_
         gw = cw                              # one 128x128 block's scale per chunk
 
     def kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem):
-        nb, mb = lax.axis_index("n"), lax.axis_index("m")
+        nb, mb = tile_of(n, m, bm, 1)
 
         def compute_context(eval_pipeline):
             @functools.partial(pl.run_scoped, acc=plgpu.ACC((64, bm), jnp.float32))
             def _(acc):
                 eval_pipeline(acc)
                 plgpu.wgmma_wait(0)
-                store_wg_tile(acc[...], o_smem, o_gmem, bm)
+                store_wg_tile(acc[...], o_smem, o_gmem, bm, nb, mb)
 
         def body(idx, w_smem, x_smem, *rest):
             (kk,) = idx

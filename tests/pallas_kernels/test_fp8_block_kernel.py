@@ -192,13 +192,14 @@ def test_compiled_prefill_bf16_output():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("k", [640, 600])
-def test_compiled_w8a8_prefill_forms_agree_bitwise(out_dtype, k):
+@pytest.mark.parametrize("m,n,k", [(300, 320, 640), (300, 320, 600), (2200, 512, 256)])
+def test_compiled_w8a8_prefill_forms_agree_bitwise(out_dtype, m, n, k):
     """The warp-specialized W8A8 prefill form (default for M > 64) and the one-warpgroup kernel (a
     plan override selects it) compute the same products in the same promotion order; N = 320,
     M = 300 and K = 600 exercise the padding to 128-row blocks, 128-token tiles and 128-wide K
-    groups."""
-    x, wq, ws = make(300, 320, k, seed=7)
+    groups (3 weight blocks: no cluster); 2200 x 512: 2-CTA clusters and a last launch group of 2
+    token tiles (``prefill_ws.tile_of``)."""
+    x, wq, ws = make(m, n, k, seed=7)
     y_ws = matmul(x, wq, ws, act_quant=True, backend="pallas", out_dtype=out_dtype)
     y_one = matmul_kernel(x, wq, ws, act_quant=True, out_dtype=out_dtype, stages=2)
     np.testing.assert_array_equal(np.asarray(y_ws, np.float32), np.asarray(y_one, np.float32))

@@ -241,6 +241,27 @@ def test_compiled_prefill_bf16_output():
     assert orc.rel_err(y.astype(jnp.float32), oracle(x, wq, ws)) < 1e-2
 
 
+@pytest.mark.gpu
+def test_compiled_prefill_last_launch_group_short():
+    """2300 tokens are 9 token tiles of 256: the launch order's groups of 8 leave a last group of
+    one (``prefill_ws.tile_of``)."""
+    x, wq, ws = make(2300, 384, 256, seed=13)
+    y = matmul(x, wq, ws, backend="pallas", out_dtype=jnp.float32)
+    assert orc.rel_err(y, oracle(x, wq, ws)) < 1e-4
+
+
+@pytest.mark.parametrize("n_units,m_blocks,group", [(1, 1, 8), (32, 32, 8), (3, 9, 8), (96, 5, 8), (7, 20, 16), (4, 3, 1)])
+def test_prefill_launch_order_covers_every_tile_once(n_units, m_blocks, group):
+    """`launch_order` is a bijection onto the (weight unit, token tile) grid, and the CTAs of one
+    group of token tiles run one weight unit's tiles back to back."""
+    from pallas_kernels.mxfp8 import prefill_ws as ws
+
+    tiles = [tuple(int(v) for v in ws.launch_order(t, n_units, m_blocks, group)) for t in range(n_units * m_blocks)]
+    assert sorted(tiles) == [(u, mb) for u in range(n_units) for mb in range(m_blocks)]
+    size = min(group, m_blocks)
+    assert [mb for _, mb in tiles[:size]] == list(range(size)) and {u for u, _ in tiles[:size]} == {0}
+
+
 def test_prefill_ws_tiles_fit_shared_memory():
     """The warp-specialized prefill form: 128-row weight blocks only, a K step that divides K, and
     a pipeline as deep as the output tile leaves room for (fp32 outputs take twice the bytes)."""

@@ -318,8 +318,8 @@ def test_prepare_linears_gives_unquantized_linears_the_dense_backend():
 def test_bf16_layer_takes_its_output_from_the_kernel(monkeypatch, method):
     """A bf16 layer without a bias asks the kernel for its bf16 output (one rounding of the fp32
     accumulator, as the cast of an fp32 result); with a bias it keeps the fp32 output. Such bf16
-    MXFP8 / block-FP8 calls stay on the kernel (its warp-specialized prefill form on a GPU) up to
-    4096 rows; fp32 outputs and NVFP4 go to XLA's dot from 1024."""
+    MXFP8 / block-FP8 calls stay on the kernel (its warp-specialized prefill form on a GPU) at every
+    row count; fp32 outputs and NVFP4 go to XLA's dot from 1024."""
     import kk_jax.models.layers.linear as linear_mod
 
     seen = []
@@ -338,7 +338,7 @@ def test_bf16_layer_takes_its_output_from_the_kernel(monkeypatch, method):
     biased(x)
     assert seen[-1] == "float32"
     rows = linear_mod.kernel_max_rows
-    assert rows(method, jnp.bfloat16) == 4096 and rows(method, jnp.float32) == rows("nvfp4", jnp.bfloat16) == 1024
+    assert rows(method, jnp.bfloat16) is None and rows(method, jnp.float32) == rows("nvfp4", jnp.bfloat16) == 1024
 
 
 @pytest.mark.parametrize("method", [None, "fp8_block", "mxfp8", "nvfp4"])

@@ -414,18 +414,18 @@ def _check_tp_layout(method, n, k, axes, mesh, block) -> None:
 # a bias): from 1024 rows (one H200, 4096 x 4096, 2026-11-30: the kernels 1.5-2.3x faster than
 # dequantize-then-dot at M <= 64, even at M = 2048 and 1.7-2.1x slower at M = 8192).
 # MXFP8 and block FP8 writing the layer's bf16 output run the warp-specialized prefill form
-# (``pallas_kernels.mxfp8.prefill_ws``) below 4096 rows: same process, 12288 x 4096, against
-# dequantize-then-dot with an fp32 output cast to bf16 (bit-identical results), M = 2048 349.8 /
-# 335.0 against 421.8 / 391.1 us, M = 4096 711.9 / 714.1 against 729.2 / 724.7, M = 8192
-# 1451.7 / 1476.2 against 1385.3 / 1382.2 (benchmarks/RESULTS.md, part 12).
+# (``pallas_kernels.mxfp8.prefill_ws``) at every row count: one H200, same process, against
+# dequantize-then-dot, MXFP8 12288 x 4096 at M = 4096 571.7 against 629.9 us, at M = 8192
+# 386.2 / 1147.9 / 1114.3 against 380.6 / 1191.1 / 1130.0 us on 4096 x 4096 / 12288 x 4096 /
+# 4096 x 12288 (block FP8 397.7 / 1190.1 / 1140.3 against 391.1 / 1227.9 / 1151.6; benchmarks/
+# RESULTS.md, part 33).
 KERNEL_MAX_ROWS = 1024
-WS_KERNEL_MAX_ROWS = 4096
 
 
-def kernel_max_rows(method: str | None, out_dtype) -> int:
-    """Rows from which a quantized layer's matmul runs on XLA (see above)."""
+def kernel_max_rows(method: str | None, out_dtype) -> int | None:
+    """Rows from which a quantized layer's matmul runs on XLA (None: never; see above)."""
     if method in ("mxfp8", "fp8_block") and jnp.dtype(out_dtype) == jnp.bfloat16:
-        return WS_KERNEL_MAX_ROWS
+        return None
     return KERNEL_MAX_ROWS
 
 
@@ -493,7 +493,8 @@ def gemv_fuses(linear, x: jax.Array, norm, residual, glu: bool = False) -> bool:
 
 
 def _kernel_call(method, x2, ops, *, block, backend, act_quant, interpret, out_dtype):
-    if backend == "pallas" and not act_quant and x2.shape[0] >= kernel_max_rows(method, out_dtype):
+    limit = kernel_max_rows(method, out_dtype)
+    if backend == "pallas" and not act_quant and limit is not None and x2.shape[0] >= limit:
         backend = "xla"
     if method is None:
         from pallas_kernels import dense_matmul
