@@ -15,6 +15,16 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 SMEM_PER_CTA = 227 * 1024   # the most shared memory a CTA may use on the H100 / H200 (bytes)
 
 
+def product_dtype(out_dtype):
+    """The result type to ask of XLA's dot when the product is wanted in ``out_dtype``: bf16 and
+    fp32 as they are (XLA sums in fp32 either way and rounds once, bit for bit the fp32 result
+    cast), other types fp32 (then cast). An fp32 result cast afterwards costs XLA a second kernel:
+    a bf16 [M, K] x [K, N] product with N, K = 4096-12288 took up to 21 % longer on one H200 at
+    M = 2048-8192 and 7-27 % longer at M = 1 (RESULTS.md 2026-12-02 part 34)."""
+    out_dtype = jnp.dtype(out_dtype)
+    return out_dtype if out_dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)) else jnp.dtype(jnp.float32)
+
+
 def num_sms() -> int:
     """Multiprocessor count of the default GPU (132 on an H200; 132 without a GPU, e.g. for
     interpret mode and compile-only H200 targets)."""

@@ -2,7 +2,9 @@
 more on the shared engine (``wdequant.py``, format ``bf16``) with its decode tiling. One H200,
 one process, device µs at one row (RESULTS.md 2026-12-01 part 22), XLA / engine / GEMV:
 6144x4096 17.6 / 15.1 / 13.5, 4096x4096 12.4 / 10.9 / 9.6, 24576x4096 50.8 / 46.4 / 46.7,
-4096x12288 29.1 / 26.0 / 24.7. At 8 and 64 rows the engine runs 0.91-1.03x XLA's GEMM."""
+4096x12288 29.1 / 26.0 / 24.7 (XLA's product as an fp32 result cast to bf16, the form the linear
+layers used then; with a bf16 result XLA took 11.0 µs at 4096x4096 and 27.1 at 4096x12288 in
+part 34). At 8 and 64 rows the engine runs 0.91-1.03x XLA's GEMM."""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.common import product_dtype
+
 
 def validate(x, w) -> None:
     """ValueError naming the operand whose dtype or shape is wrong."""
@@ -18,5 +20,6 @@ def validate(x, w) -> None:
 def matmul_reference(x, w, *, out_dtype=None):
     """x [..., K] -> [..., N]."""
     validate(x, w)
-    y = jnp.einsum("...k,nk->...n", x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
-    return y.astype(out_dtype or x.dtype)
+    out_dtype = out_dtype or x.dtype
+    y = jnp.einsum("...k,nk->...n", x.astype(jnp.bfloat16), w, preferred_element_type=product_dtype(out_dtype))
+    return y.astype(out_dtype)

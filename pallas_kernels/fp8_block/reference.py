@@ -17,6 +17,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import product_dtype
+
 E4M3_MAX = 448.0
 DEFAULT_BLOCK = (128, 128)
 
@@ -67,7 +69,7 @@ def matmul_reference(x, w_q, w_scale_inv, *, block=DEFAULT_BLOCK, act_quant=Fals
     out_dtype = out_dtype or x.dtype
     if not act_quant:
         y = jnp.einsum("...k,nk->...n", x.astype(jnp.bfloat16), dequantize_bf16(w_q, w_scale_inv, block),
-                       preferred_element_type=jnp.float32)
+                       preferred_element_type=product_dtype(out_dtype))
         return y.astype(out_dtype)
     if tuple(block) != (128, 128):
         raise ValueError(f"W8A8 block FP8 needs 128x128 weight blocks, got {block}")

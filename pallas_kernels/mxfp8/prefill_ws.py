@@ -17,12 +17,13 @@ block, so that the CTAs resident at once share a few token and weight tiles inst
 weight block of one token tile. At M = 8192 that made the form 5-7 % faster (MXFP8 4096x4096 /
 12288x4096 / 4096x12288: 408.9 / 1228.3 / 1182.6 -> 387.2 / 1150.6 / 1116.1 us; block FP8 3-7 %;
 results bit-identical) and left M = 2048 unchanged; groups of 1024 or 4096 tokens were slower
-(H200, RESULTS.md part 33). Then MXFP8 runs 0.97-1.02x XLA's bf16 dot at M = 8192 and beats
-XLA's dequantize-then-dot on the two large weights, so the linear layers keep it at every row
-count (``linear.kernel_max_rows``). 2-CTA clusters sharing the token tile by TMA multicast (as
-the W8A8 form does) gained 0-3 % for block FP8 and nothing with the launch order; for MXFP8 they
-gave wrong results (the deferred ``wgmma`` wait below with the cluster-wide release of the
-slots), so neither takes them.
+(H200, RESULTS.md part 33). Then MXFP8 runs 0.97-1.02x XLA's bf16 product at M = 8192 when that
+product is an fp32 result cast to bf16, 0.88-1.00x against its bf16 result (part 34). XLA's
+dequantize-then-dot with that bf16 result is 4-11 % faster at M = 8192, so the linear layers
+give it chunks from 8192 rows (``linear.kernel_max_rows``). 2-CTA clusters sharing the token
+tile by TMA multicast (as the W8A8 form does) gained 0-3 % for block FP8 and nothing with the
+launch order; for MXFP8 they gave wrong results (the deferred ``wgmma`` wait below with the
+cluster-wide release of the slots), so neither takes them.
 
 With a pipeline of three or more stages, an MXFP8 step (two or more ``wgmma`` groups) waits
 for all but its last group, which keeps the tensor cores busy while the next tile is dequantized

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.common import product_dtype
+
 BLOCK = 32
 
 
@@ -44,5 +46,5 @@ def matmul_reference(x, w_q, w_scale, *, out_dtype=None):
     validate(x, w_q, w_scale)
     out_dtype = out_dtype or x.dtype
     y = jnp.einsum("...k,nk->...n", x.astype(jnp.bfloat16), dequantize_bf16(w_q, w_scale),
-                   preferred_element_type=jnp.float32)
+                   preferred_element_type=product_dtype(out_dtype))
     return y.astype(out_dtype)

@@ -232,6 +232,26 @@ def dense_linear(n, k, axes, seed=0, dtype=jnp.bfloat16):
     return lin
 
 
+def test_unquantized_layer_asks_xla_for_its_output_dtype():
+    """Without a bias (or a row-parallel psum) a bf16 layer's product is a bf16 result, which XLA
+    sums in fp32 and rounds once: bit for bit the fp32 result cast, without the cast's kernel
+    (``pallas_kernels.common.product_dtype``); a bias keeps the fp32 result until it is added."""
+    from pallas_kernels.common import product_dtype
+
+    def dot_types(lin, x):
+        eqns = jax.make_jaxpr(lambda x: lin(x))(x).jaxpr.eqns
+        return [jnp.dtype(e.params["preferred_element_type"]).name for e in eqns if e.primitive.name == "dot_general"]
+
+    lin = dense_linear(96, 160, ("heads", "embed"))
+    x = jax.random.normal(jax.random.key(4), (7, 160), jnp.float32).astype(jnp.bfloat16)
+    assert dot_types(lin, x) == ["bfloat16"] and dot_types(lin, x.astype(jnp.float32)) == ["float32"]
+    want = jnp.einsum("mk,nk->mn", x, lin.weight[...], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    assert np.array_equal(np.asarray(lin(x)), np.asarray(want))
+    biased = Linear(160, 96, jnp.bfloat16, axes=("heads", "embed"), bias=True)
+    assert dot_types(biased, x) == ["float32"]
+    assert [product_dtype(t).name for t in (jnp.bfloat16, jnp.float32, jnp.float16)] == ["bfloat16", "float32", "float32"]
+
+
 def test_dense_linear_decode_rows_run_the_weight_streaming_kernel(monkeypatch):
     """An unquantized linear on the pallas dense backend: a one-row bf16 input (batch-1 decode)
     goes through pallas_kernels.dense_matmul (Mosaic GPU interpreter here); more rows, float32
@@ -318,8 +338,8 @@ def test_prepare_linears_gives_unquantized_linears_the_dense_backend():
 def test_bf16_layer_takes_its_output_from_the_kernel(monkeypatch, method):
     """A bf16 layer without a bias asks the kernel for its bf16 output (one rounding of the fp32
     accumulator, as the cast of an fp32 result); with a bias it keeps the fp32 output. Such bf16
-    MXFP8 / block-FP8 calls stay on the kernel (its warp-specialized prefill form on a GPU) at every
-    row count; fp32 outputs and NVFP4 go to XLA's dot from 1024."""
+    MXFP8 / block-FP8 calls stay on the kernel (its warp-specialized prefill form on a GPU) below
+    8192 rows; fp32 outputs and NVFP4 go to XLA's dot from 1024."""
     import kk_jax.models.layers.linear as linear_mod
 
     seen = []
@@ -338,7 +358,7 @@ def test_bf16_layer_takes_its_output_from_the_kernel(monkeypatch, method):
     biased(x)
     assert seen[-1] == "float32"
     rows = linear_mod.kernel_max_rows
-    assert rows(method, jnp.bfloat16) is None and rows(method, jnp.float32) == rows("nvfp4", jnp.bfloat16) == 1024
+    assert rows(method, jnp.bfloat16) == 8192 and rows(method, jnp.float32) == rows("nvfp4", jnp.bfloat16) == 1024
 
 
 @pytest.mark.parametrize("method", [None, "fp8_block", "mxfp8", "nvfp4"])

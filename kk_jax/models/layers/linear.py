@@ -50,6 +50,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from kk_jax.parallel.mesh import TP, spec
+from pallas_kernels.common import product_dtype
 from kk_jax.quant.config import OPTIONAL_TENSORS, QuantConfig
 
 E4M3 = jnp.float8_e4m3fn
@@ -136,12 +137,13 @@ class Linear(nnx.Module):
         fuse = gemv_fuses(self, x, norm, residual)
         if norm is not None and not fuse:
             x = norm(x)
+        # the layer's dtype straight from the product (fp32 sums rounded once, no fp32 output pass:
+        # `product_dtype`) unless a bias or a psum of row-parallel partials follows
+        exact_out = self.bias is not None or _tp_shards(self.axes, self.mesh, 1) > 1
         if self.quant is None and not dense_kernel_takes(self, x):
-            y = jnp.einsum("...i,oi->...o", x, self.weight[...], preferred_element_type=jnp.float32)
+            y = jnp.einsum("...i,oi->...o", x, self.weight[...],
+                           preferred_element_type=jnp.float32 if exact_out else product_dtype(x.dtype))
         else:
-            # the layer's dtype straight from the kernel (no fp32 output pass) unless a bias or
-            # a psum of row-parallel partials follows
-            exact_out = self.bias is not None or _tp_shards(self.axes, self.mesh, 1) > 1
             y = linear_matmul(x, self._quant_operands(), method=self.quant, axes=self.axes, block=self.block,
                               backend=self.backend, mesh=self.mesh, act_quant=self.act_quant,
                               interpret=self.interpret, out_dtype=jnp.float32 if exact_out else x.dtype,
@@ -414,18 +416,19 @@ def _check_tp_layout(method, n, k, axes, mesh, block) -> None:
 # a bias): from 1024 rows (one H200, 4096 x 4096, 2026-11-30: the kernels 1.5-2.3x faster than
 # dequantize-then-dot at M <= 64, even at M = 2048 and 1.7-2.1x slower at M = 8192).
 # MXFP8 and block FP8 writing the layer's bf16 output run the warp-specialized prefill form
-# (``pallas_kernels.mxfp8.prefill_ws``) at every row count: one H200, same process, against
-# dequantize-then-dot, MXFP8 12288 x 4096 at M = 4096 571.7 against 629.9 us, at M = 8192
-# 386.2 / 1147.9 / 1114.3 against 380.6 / 1191.1 / 1130.0 us on 4096 x 4096 / 12288 x 4096 /
-# 4096 x 12288 (block FP8 397.7 / 1190.1 / 1140.3 against 391.1 / 1227.9 / 1151.6; benchmarks/
-# RESULTS.md, part 33).
+# (``pallas_kernels.mxfp8.prefill_ws``) below 8192 rows. One H200, same process, kernel against
+# dequantize-then-dot with XLA's bf16-result dot (benchmarks/RESULTS.md, part 34), MXFP8 on
+# 4096 x 4096 / 12288 x 4096 / 4096 x 12288: M = 4096 190.5 / 564.2 / 548.3 against 215.1 /
+# 543.2 / 559.0 us, M = 8192 381.6 / 1134.2 / 1100.7 against 363.1 / 1016.7 / 1061.2 us (block
+# FP8 M = 8192 393.7 / 1178.5 / 1127.5 against 368.3 / 1056.0 / 1077.6).
 KERNEL_MAX_ROWS = 1024
+BF16_OUT_KERNEL_MAX_ROWS = 8192
 
 
-def kernel_max_rows(method: str | None, out_dtype) -> int | None:
-    """Rows from which a quantized layer's matmul runs on XLA (None: never; see above)."""
+def kernel_max_rows(method: str | None, out_dtype) -> int:
+    """Rows from which a quantized layer's matmul runs on XLA (see above)."""
     if method in ("mxfp8", "fp8_block") and jnp.dtype(out_dtype) == jnp.bfloat16:
-        return None
+        return BF16_OUT_KERNEL_MAX_ROWS
     return KERNEL_MAX_ROWS
 
 
@@ -494,7 +497,7 @@ def gemv_fuses(linear, x: jax.Array, norm, residual, glu: bool = False) -> bool:
 
 def _kernel_call(method, x2, ops, *, block, backend, act_quant, interpret, out_dtype):
     limit = kernel_max_rows(method, out_dtype)
-    if backend == "pallas" and not act_quant and limit is not None and x2.shape[0] >= limit:
+    if backend == "pallas" and not act_quant and x2.shape[0] >= limit:
         backend = "xla"
     if method is None:
         from pallas_kernels import dense_matmul
