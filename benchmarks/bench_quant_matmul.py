@@ -23,8 +23,9 @@ Each timed call runs the op on R independent weight copies inside one jit (so de
 stream from HBM, not from the 60 MB L2, and launch gaps are amortised); time per op is the
 median over repetitions divided by R. With ``--device-time``, every row also gets ``dev_us``:
 the GPU's busy time per op from a ``jax.profiler`` trace (every kernel of the op summed: split-K
-sums, activation quantization, casts), which host dispatch between calls does not inflate (at 4096x4096, M = 1, the wall-clock time of a call was two-thirds idle GPU). TB/s counts the quantized weight bytes (incl. scales)
-plus activations and output; ``check`` is the relative L2 error of the GPU result against
+sums, activation quantization, casts), which host dispatch between calls does not inflate (at
+4096x4096, M = 1, the wall-clock time of a call was two-thirds idle GPU). TB/s counts the
+quantized weight bytes (incl. scales) plus activations and output; ``check`` is the relative L2 error of the GPU result against
 the jnp twin of the same numerics (pass < 1e-2). Prints a table and writes JSON.
 """
 
@@ -336,8 +337,8 @@ def main(argv=None):
     # side-by-side summary: ours vs XLA dequantize-then-dot and vs bf16 at each shape
     print("\nsummary (speed-up of pallas over xla_deq / over the faster XLA bf16 form):", flush=True)
     idx = {(r["fmt"], r["path"], r.get("M"), r.get("N"), r.get("K")): r for r in rows if "error" not in r}
+    t = lambda row: row.get("dev_us") or row["us"]
     for (fmt, path, m, n, k), r in list(idx.items()):           # the baseline: the faster bf16 form
-        t = lambda row: row.get("dev_us") or row["us"]
         if path == "xla_bf16_f32out" and t(r) < t(idx.get(("bf16", "xla_bf16", m, n, k), r)):
             idx[("bf16", "xla_bf16", m, n, k)] = r
     for (fmt, path, m, n, k), r in sorted(idx.items(), key=lambda kv: (kv[0][3] or 0, kv[0][4] or 0, kv[0][2] or 0)):

@@ -19,7 +19,7 @@ weight block of one token tile. At M = 8192 that made the form 5-7 % faster (MXF
 results bit-identical) and left M = 2048 unchanged; groups of 1024 or 4096 tokens were slower
 (H200, RESULTS.md part 33). Then MXFP8 runs 0.97-1.02x XLA's bf16 product at M = 8192 when that
 product is an fp32 result cast to bf16, 0.88-1.00x against its bf16 result (part 34). XLA's
-dequantize-then-dot with that bf16 result is 4-11 % faster at M = 8192, so the linear layers
+dequantize-then-dot with that bf16 result is 4-12 % faster at M = 8192, so the linear layers
 give it chunks from 8192 rows (``linear.kernel_max_rows``). 2-CTA clusters sharing the token
 tile by TMA multicast (as the W8A8 form does) gained 0-3 % for block FP8 and nothing with the
 launch order; for MXFP8 they gave wrong results (the deferred ``wgmma`` wait below with the

@@ -50,8 +50,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from kk_jax.parallel.mesh import TP, spec
-from pallas_kernels.common import product_dtype
 from kk_jax.quant.config import OPTIONAL_TENSORS, QuantConfig
+from pallas_kernels.common import product_dtype
 
 E4M3 = jnp.float8_e4m3fn
 # Quantization tensors held transposed on the device (see the module docstring)
