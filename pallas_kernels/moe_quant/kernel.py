@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels.mxfp8 import wdequant as wd
+from pallas_kernels.nvfp4 import operands as fp4
 
 from .reference import validate
 
@@ -28,7 +29,7 @@ def grouped_matmul_kernel(x_rows, tile_expert, fmt, w, *scales, expert_offset=0,
         raise ValueError(f"row tiles of {bm} rows; expected 8, 16, 32, 64, 128 or 256")
     p = wd.plan(bm, n, k, fmt, bm=bm, row_tiles=t, **plan_overrides)
     x2 = x_rows.astype(jnp.bfloat16)
-    xs = (x2[:, 0::2], x2[:, 1::2]) if fmt == "nvfp4" else (x2,)
+    xs = (fp4.order_x(x2, p.tk),) if fmt == "nvfp4" else (x2,)
     # experts stacked along N: the weight and block FP8's scales; mxfp8 / nvfp4 scales stay [E, K/b, N]
     flat = lambda a: a.reshape(-1, *a.shape[2:])
     scales = (flat(scales[0]),) if fmt == "fp8_block" else scales

@@ -1,9 +1,10 @@
-"""Warp-specialized prefill form of the dequantizing engine (``wdequant``) for MXFP8 and block
-FP8 weights (W8A16): one CTA computes a 128-weight-row x ``bm``-token output tile with three
-warpgroups, one issuing TMA loads of the weight, activation and scale tiles through a
+"""Warp-specialized prefill form of the dequantizing engine (``wdequant``) for MXFP8, NVFP4 and
+block FP8 weights (W8A16 / W4A16): one CTA computes a 128-weight-row x ``bm``-token output tile
+with three warpgroups, one issuing TMA loads of the weight, activation and scale tiles through a
 ``stages``-deep ring, two dequantizing their 64 weight rows each (the math of ``wdequant``'s
-register-operand path: e4m3 -> f16 -> bf16 times the E8M0 or the block's fp32 scale) and feeding
-them to ``wgmma`` from registers against the shared activation tile. While one compute warpgroup
+register-operand path: e4m3 -> f16 -> bf16 times the E8M0 or the block's fp32 scale; NVFP4's
+words of codes, ``pallas_kernels/nvfp4/operands.py``) and feeding them to ``wgmma`` from
+registers against the shared activation tile. While one compute warpgroup
 converts, the other's ``wgmma`` occupies the tensor cores, which the one-warpgroup engine (64
 weight rows per CTA, conversion and ``wgmma`` in turn) cannot overlap.
 
@@ -17,7 +18,9 @@ block, so that the CTAs resident at once share a few token and weight tiles inst
 weight block of one token tile. At M = 8192 that made the form 5-7 % faster (MXFP8 4096x4096 /
 12288x4096 / 4096x12288: 408.9 / 1228.3 / 1182.6 -> 387.2 / 1150.6 / 1116.1 us; block FP8 3-7 %;
 results bit-identical) and left M = 2048 unchanged; groups of 1024 or 4096 tokens were slower
-(H200, RESULTS.md part 33). Then MXFP8 runs 0.97-1.02x XLA's bf16 product at M = 8192 when that
+(H200, RESULTS.md part 33). NVFP4 (its first form here, part 35) ran 2048 tokens 1.9x faster
+than the one-warpgroup engine: 105.0 / 299.6 / 299.1 us against 194.8 / 572.6 / 594.5 on
+4096x4096 / 12288x4096 / 4096x12288 (0.85-0.99x XLA's bf16 dot). Then MXFP8 runs 0.97-1.02x XLA's bf16 product at M = 8192 when that
 product is an fp32 result cast to bf16, 0.88-1.00x against its bf16 result (part 34). XLA's
 dequantize-then-dot with that bf16 result is 4-12 % faster at M = 8192, so the linear layers
 give it chunks from 8192 rows (``linear.kernel_max_rows``). 2-CTA clusters sharing the token
@@ -48,23 +51,27 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import SMEM_PER_CTA
+from pallas_kernels.nvfp4 import operands as fp4
 
 from . import wdequant as wd
 
 RB = 128                     # weight rows per CTA: two compute warpgroups x 64
 GROUP_TOKENS = 2048          # tokens of the launch order's groups (`tile_of`)
-FORMATS = ("mxfp8", "fp8_block")
+FORMATS = ("mxfp8", "fp8_block", "nvfp4")
 # (tk, stages) in order of preference per format (the first that fits SMEM_PER_CTA with the output
 # tile): one H200 at M = 2048 / 8192, bm = 256: MXFP8 best at tk 64 with 3-4 stages, block FP8
 # (one scale per 128 columns) at tk 128 with 2 stages (RESULTS.md part 12).
-STEPS = {"mxfp8": ((64, 4), (64, 3), (64, 2)), "fp8_block": ((128, 2), (64, 4), (64, 3), (64, 2))}
+STEPS = {"mxfp8": ((64, 4), (64, 3), (64, 2)), "fp8_block": ((128, 2), (64, 4), (64, 3), (64, 2)),
+         "nvfp4": ((128, 2),)}
+SCALE_BLOCK = {"mxfp8": 32, "nvfp4": 16}     # K codes per staged scale
 
 
 def smem_bytes(fmt: str, bm: int, tk: int, stages: int, out_bytes: int) -> int:
-    """Shared memory of one CTA: the pipelined weight, activation (and MXFP8 scale) tiles and the
-    two warpgroups' output tiles."""
-    scales = 2 * 64 * tk // 32 if fmt == "mxfp8" else 0
-    return stages * (RB * tk + bm * tk * 2 + scales) + 2 * bm * 64 * out_bytes
+    """Shared memory of one CTA: the pipelined weight, activation (and MXFP8 / NVFP4 scale) tiles
+    and the two warpgroups' output tiles."""
+    scales = 2 * 64 * tk // SCALE_BLOCK[fmt] if fmt in SCALE_BLOCK else 0
+    w_bytes = RB * tk // (2 if fmt == "nvfp4" else 1)
+    return stages * (w_bytes + bm * tk * 2 + scales) + 2 * bm * 64 * out_bytes
 
 
 def config(fmt: str, m: int, n: int, k: int, out_dtype) -> tuple[int, int, int] | None:
@@ -127,38 +134,51 @@ def ws_call(kernel, m: int, n: int, bm: int, out_dtype, cluster: int = 1):
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "bm", "tk", "stages", "out_dtype"))
-def prefill_matmul(x, w, scale, *, fmt: str, bm: int, tk: int, stages: int, out_dtype):
-    """x [M, K] bf16 (M a multiple of bm), w [N, K] e4m3 (N a multiple of 128), scale: mxfp8
-    [K/32, N] uint8 (transposed E8M0), fp8_block [N/128, K/128] fp32 -> [M, N] out_dtype."""
+def prefill_matmul(x, w, scales, *, fmt: str, bm: int, tk: int, stages: int, out_dtype):
+    """x [M, K] bf16 (M a multiple of bm), w [N, K] e4m3 or [N, K/2] NVFP4 codes (N a multiple
+    of 128), scales: mxfp8 ([K/32, N] uint8 transposed E8M0,), fp8_block ([N/128, K/128] fp32,),
+    nvfp4 ([K/16, N] e4m3 transposed, weight_scale_2 f32 [1]) -> [M, N] out_dtype. NVFP4 takes x
+    in the engine's K order (``fp4.order_x``) and its codes as whole words (``fp4.engine_fragments``)."""
     m, k = x.shape
     n = w.shape[0]
     bf16 = jnp.bfloat16
-    w_tr = wd.smem_tile(jnp.float8_e4m3fn, tk)
+    w_cols = tk // (2 if fmt == "nvfp4" else 1)     # weight tile bytes a row and step
+    w_tr = wd.smem_tile(w.dtype, w_cols)
     cw = min(128, tk)                        # stored columns per register load = the swizzle
     delay = int(fmt == "mxfp8" and stages >= 3)        # wgmma groups left running at a step's end
-    if fmt == "mxfp8":
-        scale = scale.reshape(k // 32, n // 64, 64)    # a CTA's two 64-row scale vectors per block
+    scale, *s2 = scales
+    if fmt in SCALE_BLOCK:
+        scale = scale.reshape(k // SCALE_BLOCK[fmt], n // 64, 64)   # a CTA's two 64-row scale vectors per block
         x_tr = wd.smem_tile(bf16, tk, swizzle=64)      # wgmma reads it in 32-column groups
         gw = 32
     else:
         x_tr = wd.smem_tile(bf16, tk)
         gw = cw                              # one 128x128 block's scale per chunk
 
-    def kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem):
+    def kernel(x_gmem, w_gmem, s_gmem, *refs):
+        *s2_gmem, o_gmem, o_smem = refs
         nb, mb = tile_of(n, m, bm, 1)
 
         def compute_context(eval_pipeline):
             @functools.partial(pl.run_scoped, acc=plgpu.ACC((64, bm), jnp.float32))
             def _(acc):
+                factor = s2_gmem[0][0] * fp4.FACTOR if s2_gmem else None    # read before the pipeline
                 eval_pipeline(acc)
                 plgpu.wgmma_wait(0)
-                store_wg_tile(acc[...], o_smem, o_gmem, bm, nb, mb)
+                out = acc[...] if factor is None else acc[...] * factor
+                store_wg_tile(out, o_smem, o_gmem, bm, nb, mb)
 
         def body(idx, w_smem, x_smem, *rest):
             (kk,) = idx
             acc = rest[-1]
             wg = lax.axis_index("wg")
             rows = w_smem.at[pl.ds(wg * 64, 64)]
+            if fmt == "nvfp4":
+                for load in range(tk // 128):
+                    for j, v in enumerate(fp4.engine_fragments(rows, rest[0].at[:, wg], load, tk=tk, w_transforms=w_tr)):
+                        plgpu.wgmma(acc, v, x_smem.at[:, pl.ds(32 * (4 * load + j), 32)].T)
+                plgpu.wgmma_wait(0)
+                return acc
             if fmt == "mxfp8":
                 sc = [wd._e8m0_to_bf16(plgpu.load(rest[0].at[i, wg], layout=wd.ROW)) for i in range(tk // 32)]
             else:                            # this CTA's 128 rows are one block row
@@ -175,14 +195,15 @@ def prefill_matmul(x, w, scale, *, fmt: str, bm: int, tk: int, stages: int, out_
             plgpu.wgmma_wait(delay)
             return acc
 
-        in_specs = [plgpu.BlockSpec((RB, tk), lambda kk: (nb, kk), transforms=w_tr, delay_release=delay),
+        in_specs = [plgpu.BlockSpec((RB, w_cols), lambda kk: (nb, kk), transforms=w_tr, delay_release=delay),
                     plgpu.BlockSpec((bm, tk), lambda kk: (mb, kk), transforms=x_tr, delay_release=delay)]
         srcs = [w_gmem, x_gmem]
-        if fmt == "mxfp8":
-            in_specs.append(plgpu.BlockSpec((tk // 32, 2, 64), lambda kk: (kk, nb, 0), delay_release=delay))
+        if fmt in SCALE_BLOCK:
+            in_specs.append(plgpu.BlockSpec((tk // SCALE_BLOCK[fmt], 2, 64), lambda kk: (kk, nb, 0),
+                                            delay_release=delay))
             srcs.append(s_gmem)
         plgpu.emit_pipeline_warp_specialized(
             body, grid=(k // tk,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=stages, compute_context=compute_context, in_specs=in_specs)(*srcs)
 
-    return ws_call(kernel, m, n, bm, out_dtype)(x, w, scale)
+    return ws_call(kernel, m, n, bm, out_dtype)(x, w, scale, *s2)

@@ -19,10 +19,10 @@ One kernel serves both shapes of the problem, only the tiling differs (``plan``)
   is weight-streaming: 2-4 TMA stages of weight bytes in flight per CTA, tiles small enough
   for two CTAs per SM.
 * prefill (M > 64): bm = 128 or 256 tokens, no split, a ``[64, bm]`` fp32 accumulator.
-  On the GPU, MXFP8 and block FP8 run these shapes in a warp-specialized form instead
-  (``prefill_ws``: 128 weight rows per CTA, 1.3-1.7x faster); NVFP4, grouped calls, calls with
-  plan overrides, block-FP8 grids too small for that form (``fills_gpu``) and the interpreter
-  use this one.
+  On the GPU, MXFP8, NVFP4 and block FP8 run these shapes in a warp-specialized form instead
+  (``prefill_ws``: 128 weight rows per CTA, 1.3-1.9x faster) where it fits; grouped calls,
+  calls with plan overrides, fp32-output NVFP4, block-FP8 grids too small for that form
+  (``fills_gpu``) and the interpreter use this one.
 
 Dequantization per format (``fmt``):
 
@@ -36,14 +36,18 @@ Dequantization per format (``fmt``):
   128x128 block; scalars read from HBM, before the pipeline starts when a CTA has few K steps):
   ``bf16(f32(e4m3) * scale)``,
   rounded once, exactly as the jnp reference does.
-* ``nvfp4``: bytes hold E2M1 codes, element 2i in the low nibble. A code's 3 magnitude bits
-  placed at f16 bits 9..11 give ``e2m1 * 2^-14`` exactly (E2M1's subnormal 0.5 lands on an
-  f16 subnormal), so ``value * scale = f16bits(code) * (2^14 * e4m3 scale)``: exact in bf16
-  (2 + 4 significant bits). Low and high nibbles become two bf16 tiles multiplied against
-  the even and odd K columns of x (the wrapper splits x once), the global ``weight_scale_2``
-  multiplies the fp32 accumulator in the epilogue. The packed tile is dequantized in 32-byte
-  column groups, each covering four 16-element scale blocks; a per-column select picks each
-  element's block scale.
+* ``nvfp4``: bytes hold E2M1 codes, element 2i in the low nibble. Each thread reads whole
+  32-bit words of codes (16-byte loads of the 128- or 64-byte-swizzled tile) and turns each
+  word into four bf16x2 wgmma A registers, two codes per integer operation, each times its
+  row's e4m3 block scale, exactly (``pallas_kernels/nvfp4/operands.py``). That fixes a K order
+  per step of 128 or 256 codes (``MIN_STEP``), in which the wrapper stores x once per call
+  (``operands.order_x``); 2^10 * ``weight_scale_2`` multiplies the fp32 accumulator in the
+  epilogue. The earlier form (bytes widened to int16 in the wgmma layout, nibbles split into
+  two tiles against x's even and odd columns, a per-column select of the block scale) was
+  bound by those integer operations: one H200, same process, it took 14.4 / 41.9 / 40.9 us at
+  M = 64 on 4096x4096 / 12288x4096 / 4096x12288 against 10.7 / 31.0 / 29.5, and 203.6 /
+  762.4 us against 105.7 / 417.1 for GLM-shaped grouped experts at 8 / 64 tokens
+  (RESULTS.md part 35).
 
 * ``bf16``: plain weights, nothing to dequantize: the TMA'd weight tile is wgmma's A operand
   (``pallas_kernels.dense_matmul``, which unquantized linears use at decode by default on a GPU:
@@ -91,6 +95,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import common
+from pallas_kernels.nvfp4 import operands as fp4
 
 BN = 64                      # weight rows per CTA (one warpgroup's wgmma M)
 TMA_ROWS = 8                 # row tiling of the x tiles in SMEM (TMA box rows)
@@ -105,7 +110,7 @@ NUM_SMS = 132                # H200; sizes the decode split and the warp-special
 # more, 1.54x already at 32 CTAs for 4096x12288), so it takes every grid; block FP8's form loses
 # below about half the SMs (0.82-0.97x at 8-64 CTAs, except 1.16x for 4096x12288 at 32) and wins
 # above (1.32-1.50x at 128), so its small grids stay here.
-WS_MIN_CTAS = {"mxfp8": 1, "fp8_block": NUM_SMS // 2 + 1}
+WS_MIN_CTAS = {"mxfp8": 1, "fp8_block": NUM_SMS // 2 + 1, "nvfp4": 1}
 
 
 def fills_gpu(fmt: str, row_blocks: int, token_tiles: int) -> bool:
@@ -160,6 +165,10 @@ SMEM_BUDGET = {"prefill": 200 * 1024, "decode": 110 * 1024}
 
 # K elements per scale of the formats whose per-block scales are staged through the pipeline
 SCALE_BLOCK = {"mxfp8": 32, "nvfp4": 16}
+# Smallest K step of those formats: MXFP8's staged scale tile must fill TMA's 128-byte
+# alignment (``plan``); NVFP4's operand order repeats every step of 128 or 256 codes
+# (``pallas_kernels/nvfp4/operands.py``). K is padded to (dense) or must be (grouped) a multiple.
+MIN_STEP = {"mxfp8": 64, "nvfp4": min(fp4.ENGINE_STEPS)}
 
 
 def smem_bytes(fmt: str, bm: int, tk: int, stages: int, out_bytes: int = 4) -> int:
@@ -197,10 +206,10 @@ def plan(m: int, n: int, k: int, fmt: str, *, tk: int | None = None, splits: int
     else:
         cands = (64, 32)
     if fmt in SCALE_BLOCK:
-        cands = tuple(c for c in cands if c >= 64) or (64,)
+        cands = tuple(c for c in cands if MIN_STEP[fmt] <= c <= 256) or (MIN_STEP[fmt],)
     if tk is not None:
-        if fmt in SCALE_BLOCK and tk < 64:      # see the docstring
-            raise ValueError(f"{fmt} needs a K step of at least 64 (staged scale tiles), got tk={tk}")
+        if fmt in SCALE_BLOCK and tk < MIN_STEP[fmt]:      # see the docstring and MIN_STEP
+            raise ValueError(f"{fmt} needs a K step of at least {MIN_STEP[fmt]}, got tk={tk}")
         cands = (tk,)
     depths = (stages,) if stages is not None else ((4, 3, 2) if decode else (3, 2))
     # decode: deepest pipeline first (bytes in flight), then the widest step; prefill: widest step first
@@ -233,20 +242,11 @@ def _e4m3_to_f32(v):
     return v.astype(jnp.float16).astype(jnp.float32)
 
 
-def _e2m1_times_2m14(codes_i16):
-    """E2M1 codes (int16, 0..15) -> f16 holding code_value * 2^-14, exact."""
-    bits = lax.shift_left(lax.bitwise_and(codes_i16, jnp.int16(7)), jnp.int16(9))
-    sign = lax.shift_left(lax.bitwise_and(codes_i16, jnp.int16(8)), jnp.int16(12))
-    return lax.bitcast_convert_type(lax.bitwise_or(bits, sign), jnp.float16)
-
-
 def load_chunk(fmt: str, w_smem, cw: int, c: int):
     """Register load of stored columns [cw*c, cw*(c+1)) of a [64, tk] weight tile (cw = its
-    swizzle in bytes), in the wgmma layout and converted: f16-exact bf16 (mxfp8), f32
-    (fp8_block) or int16 bytes (nvfp4)."""
+    swizzle in bytes), in the wgmma layout and converted: f16-exact bf16 (mxfp8) or f32
+    (fp8_block)."""
     raw = plgpu.layout_cast(plgpu.load(w_smem.at[:, pl.ds(cw * c, cw)], layout=UPCAST_2X), WGMMA)
-    if fmt == "nvfp4":
-        return raw.astype(jnp.int16)
     return raw.astype(jnp.float16).astype(jnp.bfloat16) if fmt == "mxfp8" else _e4m3_to_f32(raw)
 
 
@@ -321,12 +321,11 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
         op_tr = smem_tile(bf16, tk)
         wdq_shape = (2, 1, BN, tk)
     elif fmt == "nvfp4":
-        half = tk // 2
-        groups, gw = half // 32, 32                  # 32-byte column groups = four 16-element blocks
-        w_block, w_tr = (BN, half), smem_tile(jnp.uint8, half)
-        x_blocks = [(bm, half), (bm, half)]
-        op_tr = smem_tile(bf16, half, swizzle=64)
-        wdq_shape = (2, 2, BN, half)         # (allocated only for the interpreter)
+        groups, gw = tk // 32, 32                    # 32-column slice pairs of the operand order
+        w_block, w_tr = (BN, tk // 2), smem_tile(jnp.uint8, tk // 2)
+        x_blocks = [(bm, tk)]
+        op_tr = smem_tile(bf16, tk, swizzle=64)
+        wdq_shape = (2, 1, BN, tk)           # (allocated only for the interpreter)
     elif fmt == "bf16":
         w_block, w_tr = (BN, tk), smem_tile(bf16, tk)
         x_blocks = [(bm, tk)]
@@ -367,16 +366,18 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
                     for st in range(1, nk):
                         picked = [jnp.where(kk == st, a, b) for a, b in zip(early[st], picked)]
                     return tuple(picked)
-                rows_ = [plgpu.load(s_smem.at[i], layout=ROW) for i in range(s_smem.shape[0])]
-                if fmt == "mxfp8":
-                    return tuple(_e8m0_to_bf16(r) for r in rows_)
-                return tuple((_e4m3_to_f32(r) * 16384.0).astype(bf16) for r in rows_)
+                if fmt == "nvfp4":           # read by the fragments themselves
+                    return s_smem
+                return tuple(_e8m0_to_bf16(plgpu.load(s_smem.at[i], layout=ROW)) for i in range(s_smem.shape[0]))
 
             cw = min(128, w_block[1])                # stored columns (bytes) per register load = the swizzle
 
             def dequant_groups(w_smem, sc):
                 """Yields, per column group j of the step (32 columns; block FP8: up to 128), its
                 dequantized bf16 operand(s)."""
+                if fmt == "nvfp4":
+                    yield from nvfp4_groups(w_smem, sc)
+                    return
                 per = cw // gw
                 for c in range(groups // per):
                     chunk = load_chunk(fmt, w_smem, cw, c)
@@ -387,16 +388,19 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
             def dequant_group(v, sc, j):
                 if fmt == "fp8_block":
                     return ((v * sc[j]).astype(bf16),)
-                if fmt == "mxfp8":
-                    return (v * lax.broadcast_in_dim(sc[j], v.shape, [0]),)
-                lo = lax.bitwise_and(v, jnp.int16(15))
-                hi = lax.shift_right_logical(v, jnp.int16(4))
-                # byte column c holds elements 2c, 2c+1 of block c // 8
-                col = plgpu.broadcasted_iota(jnp.int32, (BN, gw), 1, layout=WGMMA)
-                s = lax.broadcast_in_dim(sc[4 * j + 3], (BN, gw), [0])
-                for i in (2, 1, 0):
-                    s = jnp.where(col < 8 * (i + 1), lax.broadcast_in_dim(sc[4 * j + i], (BN, gw), [0]), s)
-                return (_e2m1_times_2m14(lo).astype(bf16) * s, _e2m1_times_2m14(hi).astype(bf16) * s)
+                return (v * lax.broadcast_in_dim(sc[j], v.shape, [0]),)
+
+            def nvfp4_groups(w_smem, s_smem):
+                """NVFP4: the step's slice pairs in the operand order of ``fp4.k_order``, decoded
+                from whole words of codes (the interpreter: their jnp values)."""
+                if interpret:
+                    v = fp4.engine_values(w_smem[...], s_smem[...], tk)
+                    for j in range(groups):
+                        yield (v[:, gw * j:gw * (j + 1)],)
+                    return
+                for load in range(tk // 128):
+                    for v in fp4.engine_fragments(w_smem, s_smem, load, tk=tk, w_transforms=w_tr):
+                        yield (v,)
 
             def dequant(w_smem, buf, sc):
                 for j, parts in enumerate(dequant_groups(w_smem, sc)):
@@ -443,7 +447,7 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
             s2 = s_gmem[1][e] if fmt == "nvfp4" else None
             acc = pl.run_scoped(compute, plgpu.ACC((BN, bm), jnp.float32))
             if fmt == "nvfp4":
-                acc = acc * s2
+                acc = acc * (s2 * fp4.FACTOR)
             store_tile(acc.astype(part_dtype), o_smem, o_gmem, ks, splits, pl.ds(mb * bm, bm), pl.ds(nb * BN, BN))
 
         if grouped:
@@ -495,12 +499,13 @@ def matmul_padded(fmt: str, x2, w, scales, n: int, out_dtype, interpret=False, *
         ws = prefill_ws.config(fmt, m, w.shape[0], kp, out_dtype)
         if ws is not None and fills_gpu(fmt, w.shape[0] // prefill_ws.RB, -(-m // ws[0])):
             bm, tk, stages = ws
-            y = prefill_ws.prefill_matmul(pad_rows(x2, round_up(m, bm)), w, scales[0], fmt=fmt, bm=bm, tk=tk,
-                                          stages=stages, out_dtype=jnp.dtype(out_dtype))
+            xw = pad_rows(x2, round_up(m, bm))
+            y = prefill_ws.prefill_matmul(fp4.order_x(xw, tk) if fmt == "nvfp4" else xw, w, scales, fmt=fmt, bm=bm,
+                                          tk=tk, stages=stages, out_dtype=jnp.dtype(out_dtype))
             return y[:m, :n]
     p = plan(m, w.shape[0], kp, fmt, **plan_overrides)
     xp = x2 if m <= TMA_ROWS else pad_rows(x2, round_up(m, p.bm))     # see the module docstring
-    xs = (xp[:, 0::2], xp[:, 1::2]) if fmt == "nvfp4" else (xp,)
+    xs = (fp4.order_x(xp, p.tk),) if fmt == "nvfp4" else (xp,)
     y = wdequant_matmul(xs, w, scales, fmt=fmt, p=p, out_dtype=out_dtype, interpret=interpret)
     return finish(y, p, m, n, out_dtype)
 

@@ -2,9 +2,10 @@
 CUDA-core GEMV serves goes there (``gemv.py``: 1.6-1.7x the engine below on the H200); 2-16 rows
 go to the `mma.sync` GEMV (``mma_gemv.py``: 1.4-1.9x the engine at 2-8 rows in RESULTS.md part 27,
 faster since; 1.1-1.6x at 9-16 rows, part 30); everything else runs the shared dequantizing
-engine (``pallas_kernels/mxfp8/wdequant.py``): the low and high nibbles of each byte become two
-bf16 tiles multiplied against the even and odd K columns of x, which the wrapper splits once per
-call (a pass over the activations, not the weights)."""
+engine (``pallas_kernels/mxfp8/wdequant.py``; prefill in its warp-specialized form): whole words
+of codes become wgmma register operands (``operands.py``) in a K order that x is stored in once
+per call (a pass over the activations, not the weights). K is padded to that order's 128-code
+step."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def matmul_kernel(x, w_q, w_scale, w_scale_2, *, out_dtype=None, interpret=False
         return y.reshape(*lead, n)
     if not plan_overrides and mma_gemv.supported(x2.shape[0], n, k):
         return mma_gemv.gemv(x2, w_q, w_scale, s2, out_dtype=jnp.dtype(out_dtype), interpret=interpret).reshape(*lead, n)
-    np_, kp = wd.round_up(n, wd.BN), wd.round_up(k, 64)
+    np_, kp = wd.round_up(n, wd.BN), wd.round_up(k, wd.MIN_STEP["nvfp4"])
     # N / K padding copies the weight: only for shapes no real layer has (N % 64, K % 64).
     w = wd.pad_cols(wd.pad_rows(w_q, np_), kp // 2)
     s = wd.pad_cols(wd.pad_rows(w_scale, kp // 16), np_)

@@ -176,14 +176,15 @@ def test_staged_scale_tiles_fill_the_tma_alignment(fmt):
     at a misaligned address (CUDA_ERROR_MISALIGNED_ADDRESS on the H200)."""
     from pallas_kernels.mxfp8 import wdequant as wd
 
+    step = wd.MIN_STEP[fmt]                        # 64 for MXFP8; NVFP4's operand order needs 128
     for m in (1, 8, 64, 300):
-        for k in (64, 128, 192, 4096):
+        for k in (step, 2 * step, 3 * step, 4096):
             p = wd.plan(m, 256, k, fmt)
-            assert p.tk // wd.SCALE_BLOCK[fmt] * 64 >= 128, (m, k, p)
-    assert wd.plan(64, 256, 4096, fmt, budget=1).tk >= 64      # nothing fits: still no narrower step
+            assert p.tk // wd.SCALE_BLOCK[fmt] * 64 >= 128 and p.tk >= step, (m, k, p)
+    assert wd.plan(64, 256, 4096, fmt, budget=1).tk >= step    # nothing fits: still no narrower step
     with pytest.raises(ValueError, match="multiple"):
-        wd.plan(1, 256, 96, fmt)                   # the wrappers pad such K to a multiple of 64
-    with pytest.raises(ValueError, match="at least 64"):
+        wd.plan(1, 256, step + 32, fmt)            # the wrappers pad such K to a multiple of the step
+    with pytest.raises(ValueError, match=f"at least {step}"):
         wd.plan(1, 256, 4096, fmt, tk=32)
 
 
@@ -273,9 +274,11 @@ def test_prefill_ws_tiles_fit_shared_memory():
     assert ws.config("fp8_block", 100, 512, 1024, jnp.float32) == (128, 128, 2)
     assert ws.config("fp8_block", 2048, 512, 4032, jnp.bfloat16) == (256, 64, 4)     # K not a multiple of 128
     assert ws.config("mxfp8", 2048, 4032, 4096, jnp.bfloat16) is None               # N not a multiple of 128
-    assert ws.config("nvfp4", 2048, 12288, 4096, jnp.bfloat16) is None
+    assert ws.config("nvfp4", 2048, 12288, 4096, jnp.bfloat16) == (256, 128, 2)
+    assert ws.config("nvfp4", 2048, 12288, 4096, jnp.float32) is None              # 2 stages and fp32 tiles do not fit
+    assert ws.config("nvfp4", 2048, 12288, 4032, jnp.bfloat16) is None             # K not a multiple of 128
     for fmt in ws.FORMATS:
-        for out in (jnp.bfloat16, jnp.float32):
+        for out in (jnp.bfloat16,) + ((jnp.float32,) if fmt != "nvfp4" else ()):
             bm, tk, stages = ws.config(fmt, 4096, 4096, 4096, out)
             assert ws.smem_bytes(fmt, bm, tk, stages, jnp.dtype(out).itemsize) <= SMEM_PER_CTA
 

@@ -15,7 +15,7 @@ import quant_oracle as orc  # noqa: E402
 
 from kk_jax.quant import nvfp4 as q  # noqa: E402
 from pallas_kernels import mma_gemv as mma_kernel  # noqa: E402
-from pallas_kernels.nvfp4 import gemv, matmul, matmul_kernel, matmul_reference, mma_gemv  # noqa: E402
+from pallas_kernels.nvfp4 import gemv, matmul, matmul_kernel, matmul_reference, mma_gemv, operands  # noqa: E402
 
 
 def make(m, n, k, seed=0):
@@ -36,9 +36,10 @@ def test_reference_matches_oracle():
 
 
 @pytest.mark.parametrize("m,n,k,overrides", [
-    (1, 64, 64, {}),                           # M = 1
-    (5, 1, 48, {}),                            # N = 1; K = 48 padded to the 64-wide step
+    (1, 64, 64, {}),                           # M = 1; K padded to the 128-code step
+    (5, 1, 48, {}),                            # N = 1; K = 48 padded likewise
     (8, 128, 512, dict(tk=128, splits=2)),    # decode split-K
+    (24, 128, 1024, {}),                       # 17-64 rows: the engine's 256-code step
     (72, 64, 256, {}),                         # prefill tiling
 ])
 def test_kernel_matches_oracle(m, n, k, overrides):
@@ -46,6 +47,24 @@ def test_kernel_matches_oracle(m, n, k, overrides):
     y = matmul_kernel(x, *w, out_dtype=jnp.float32, interpret=True, **overrides)
     assert y.shape == (m, n)
     assert orc.rel_err(y, oracle(x, *w)) < 1e-5
+
+
+@pytest.mark.parametrize("tk", [128, 256])
+def test_engine_operand_order(tk):
+    """x's columns in the engine's order: column 32 q + 8 t + 2 c + p of a step is code
+    32 (c I + q // 4) + 8 (q % 4) + t + 4 p (I = tk / 128), the code the A fragment puts there."""
+    want = np.empty(tk, np.int64)
+    for q_ in range(tk // 32):
+        for t in range(4):
+            for c in range(4):
+                for p in range(2):
+                    want[32 * q_ + 8 * t + 2 * c + p] = 32 * (c * (tk // 128) + q_ // 4) + 8 * (q_ % 4) + t + 4 * p
+    assert sorted(want) == list(range(tk))
+    x = np.arange(3 * 2 * tk).reshape(3, 2 * tk)
+    got = np.asarray(operands.order_x(jnp.asarray(x), tk))
+    np.testing.assert_array_equal(got, x[:, np.concatenate([want, tk + want])])
+    with pytest.raises(ValueError, match="K step is one of"):
+        operands.order_x(jnp.asarray(x), 64)
 
 
 @pytest.mark.parametrize("n,k,sms", [(16, 2048, None), (80, 8192, 1), (32, 2560, None)])
@@ -128,10 +147,12 @@ def test_lowers_for_hopper(m):
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 4096, 12288), (1, 256, 1024), (1, 4096, 7168),
                                    (300, 512, 1024), (2, 4096, 4096), (8, 4096, 12288), (5, 2048, 4096),
                                    (3, 12288, 4096), (4, 256, 16384),
-                                   (16, 4096, 4096), (12, 12288, 4096), (9, 4096, 12288)])
+                                   (16, 4096, 4096), (12, 12288, 4096), (9, 4096, 12288),
+                                   (64, 2048, 4096), (40, 512, 384), (24, 4096, 12288), (130, 256, 640)])
 def test_compiled_kernel_matches_oracle(m, n, k):
     """M = 1 with K a multiple of 2048 runs the GEMV, K = 1024 the engine; M = 2-16 the mma GEMV
-    (K split over clusters of 2, 4 and 8 CTAs; 9-16 on two column blocks)."""
+    (K split over clusters of 2, 4 and 8 CTAs; 9-16 on two column blocks); 17-64 rows the
+    engine's decode tiles (K = 384, 640: 128-code steps, 64-byte swizzle), 130 its prefill tiles."""
     x, *w = make(m, n, k, seed=7)
     assert orc.rel_err(matmul(x, *w, backend="pallas", out_dtype=jnp.float32), oracle(x, *w)) < 1e-4
 

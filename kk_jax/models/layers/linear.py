@@ -412,9 +412,13 @@ def _check_tp_layout(method, n, k, axes, mesh, block) -> None:
 # ---------------------------------------------------------------------- the matmul
 # Row counts from which the weight-only (W8A16 / W4A16) layers dequantize the weight and run
 # XLA's bf16 dot instead of the Pallas dequantizing kernels; decode always runs the kernels.
-# NVFP4, and any format writing an fp32 output (a row-parallel shard's partial sum, a layer with
-# a bias): from 1024 rows (one H200, 4096 x 4096, 2026-11-30: the kernels 1.5-2.3x faster than
+# Any format writing an fp32 output (a row-parallel shard's partial sum, a layer with a bias):
+# from 1024 rows (one H200, 4096 x 4096, 2026-11-30: the kernels 1.5-2.3x faster than
 # dequantize-then-dot at M <= 64, even at M = 2048 and 1.7-2.1x slower at M = 8192).
+# NVFP4 writing the layer's bf16 output runs the kernels at every row count: XLA's NVFP4
+# dequantization alone takes 60-200 us, and the kernel beat dequantize-then-dot from 96 to 8192
+# rows on the three shapes below, e.g. M = 8192 411 / 1185 / 1190 against 420 / 1302 / 1214 us
+# (H200, RESULTS.md part 35).
 # MXFP8 and block FP8 writing the layer's bf16 output run the warp-specialized prefill form
 # (``pallas_kernels.mxfp8.prefill_ws``) below 8192 rows. One H200, same process, kernel against
 # dequantize-then-dot with XLA's bf16-result dot (benchmarks/RESULTS.md, part 34), MXFP8 on
@@ -425,8 +429,10 @@ KERNEL_MAX_ROWS = 1024
 BF16_OUT_KERNEL_MAX_ROWS = 8192
 
 
-def kernel_max_rows(method: str | None, out_dtype) -> int:
-    """Rows from which a quantized layer's matmul runs on XLA (see above)."""
+def kernel_max_rows(method: str | None, out_dtype) -> float:
+    """Rows from which a quantized layer's matmul runs on XLA (see above; inf: never)."""
+    if jnp.dtype(out_dtype) == jnp.bfloat16 and method == "nvfp4":
+        return math.inf
     if method in ("mxfp8", "fp8_block") and jnp.dtype(out_dtype) == jnp.bfloat16:
         return BF16_OUT_KERNEL_MAX_ROWS
     return KERNEL_MAX_ROWS

@@ -230,13 +230,15 @@ def dequantize_stacked(method: str | None, ops: tuple, block=(128, 128), dtype=j
 def kernel_takes(methods, block, projs) -> bool:
     """Whether ``pallas_kernels.moe_quant`` runs these expert projections (local shapes
     ``projs``): all three quantized, 128x128 blocks for block FP8, whole 64-row (block FP8:
-    128-row) weight tiles per expert and K a multiple of the kernel's K step (MXFP8 / NVFP4: 64,
-    block FP8: 32; the grouped kernel does not pad K)."""
+    128-row) weight tiles per expert and K a multiple of the kernel's smallest K step (MXFP8: 64,
+    NVFP4: 128, block FP8: 32; the grouped kernel does not pad K)."""
+    from pallas_kernels.mxfp8.wdequant import MIN_STEP
+
     if not all(methods) or (("fp8_block" in methods) and tuple(block) != (128, 128)):
         return False
     rows = lambda m: 128 if m == "fp8_block" else 64
     k = lambda m, ops: ops[0].shape[-1] * (2 if m == "nvfp4" else 1)
-    return all(ops[0].shape[-2] % rows(m) == 0 and k(m, ops) % (32 if m == "fp8_block" else 64) == 0
+    return all(ops[0].shape[-2] % rows(m) == 0 and k(m, ops) % MIN_STEP.get(m, 32) == 0
                for m, ops in zip(methods, projs))
 
 
