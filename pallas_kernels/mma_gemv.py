@@ -33,10 +33,12 @@ than an SM issues while HBM streams the codes. Here a thread decodes each code o
 
 Shared-memory loads are 16 bytes with their alignment stated: without it the compiler split
 some of them into 2-byte loads (with 16-way bank conflicts; that made two 8-token column blocks
-2.5x slower than one). With two column blocks NVFP4 runs 1.1-1.6x faster than the wgmma engine
+2.5x slower than one). With two column blocks NVFP4 ran 1.1-1.6x faster than the wgmma engine
 on the H200 (RESULTS.md, part 30) and MXFP8 0.98-1.31x where 3 CTAs fit an SM; where only 2 fit
 (its 16-token slots) MXFP8 ran 0.8-0.9x the engine, so it keeps the engine there
-(`Format.wide_ctas_per_sm`; part 31). Interpret mode (CPU tests) runs the same ring and epilogue
+(`Format.wide_ctas_per_sm`; part 31). Since the engine decodes NVFP4 words the same way (part
+35), the two are within 4 % of each other at 12 and 16 tokens (this GEMV faster on 4096x4096,
+the engine on 12288x4096 and 4096x12288); at 2-8 tokens the engine took 3-19 % longer. Interpret mode (CPU tests) runs the same ring and epilogue
 with jnp tile math (`Format.values`).
 """
 

@@ -1,11 +1,14 @@
-"""NVFP4 weight-only matmul on Hopper. One activation row (decode at batch 1) on a shape the
-CUDA-core GEMV serves goes there (``gemv.py``: 1.6-1.7x the engine below on the H200); 2-16 rows
-go to the `mma.sync` GEMV (``mma_gemv.py``: 1.4-1.9x the engine at 2-8 rows in RESULTS.md part 27,
-faster since; 1.1-1.6x at 9-16 rows, part 30); everything else runs the shared dequantizing
-engine (``pallas_kernels/mxfp8/wdequant.py``; prefill in its warp-specialized form): whole words
-of codes become wgmma register operands (``operands.py``) in a K order that x is stored in once
-per call (a pass over the activations, not the weights). K is padded to that order's 128-code
-step."""
+"""NVFP4 weight-only matmul on Hopper (RESULTS.md part 35 for the H200 numbers below).
+
+* One activation row (decode at batch 1) on a shape the CUDA-core GEMV serves: ``gemv.py``
+  (the engine took 1.13-1.38x its time).
+* 2-16 rows: the `mma.sync` GEMV, ``mma_gemv.py`` (the engine took 3-19 % longer at 2-8 rows,
+  and was within 4 % at 12-16).
+* Everything else: the shared dequantizing engine (``pallas_kernels/mxfp8/wdequant.py``, prefill
+  in its warp-specialized form). Whole words of codes become wgmma register operands
+  (``operands.py``) in a K order that x is stored in once per call (a pass over the
+  activations, not the weights). K is padded to that order's 128-code step.
+"""
 
 from __future__ import annotations
 
