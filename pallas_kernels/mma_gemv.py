@@ -38,8 +38,9 @@ on the H200 (RESULTS.md, part 30) and MXFP8 0.98-1.31x where 3 CTAs fit an SM; w
 (its 16-token slots) MXFP8 ran 0.8-0.9x the engine, so it keeps the engine there
 (`Format.wide_ctas_per_sm`; part 31). Since the engine decodes NVFP4 words the same way (part
 35), the two are within 4 % of each other at 12 and 16 tokens (this GEMV faster on 4096x4096,
-the engine on 12288x4096 and 4096x12288); at 2-8 tokens the engine took 3-19 % longer. Interpret mode (CPU tests) runs the same ring and epilogue
-with jnp tile math (`Format.values`).
+the engine on 12288x4096 and 4096x12288); at 2-8 tokens the engine took 3-19 % longer.
+Interpret mode (CPU tests) runs the same ring and epilogue with jnp tile math
+(`Format.values`).
 """
 
 from __future__ import annotations

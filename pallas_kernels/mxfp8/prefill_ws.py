@@ -20,8 +20,8 @@ weight block of one token tile. At M = 8192 that made the form 5-7 % faster (MXF
 results bit-identical) and left M = 2048 unchanged; groups of 1024 or 4096 tokens were slower
 (H200, RESULTS.md part 33). NVFP4 (its first form here, part 35) ran 2048 tokens 1.9x faster
 than the one-warpgroup engine: 105.0 / 299.6 / 299.1 us against 194.8 / 572.6 / 594.5 on
-4096x4096 / 12288x4096 / 4096x12288 (0.85-0.99x XLA's bf16 dot). Then MXFP8 runs 0.97-1.02x XLA's bf16 product at M = 8192 when that
-product is an fp32 result cast to bf16, 0.88-1.00x against its bf16 result (part 34). XLA's
+4096x4096 / 12288x4096 / 4096x12288 (0.85-0.99x XLA's bf16 dot). Then MXFP8 runs 0.97-1.02x
+XLA's bf16 product at M = 8192 when that product is an fp32 result cast to bf16, 0.88-1.00x against its bf16 result (part 34). XLA's
 dequantize-then-dot with that bf16 result is 4-12 % faster at M = 8192, so the linear layers
 give it chunks from 8192 rows (``linear.kernel_max_rows``). 2-CTA clusters sharing the token
 tile by TMA multicast (as the W8A8 form does) gained 0-3 % for block FP8 and nothing with the
@@ -63,13 +63,12 @@ FORMATS = ("mxfp8", "fp8_block", "nvfp4")
 # (one scale per 128 columns) at tk 128 with 2 stages (RESULTS.md part 12).
 STEPS = {"mxfp8": ((64, 4), (64, 3), (64, 2)), "fp8_block": ((128, 2), (64, 4), (64, 3), (64, 2)),
          "nvfp4": ((128, 2),)}
-SCALE_BLOCK = {"mxfp8": 32, "nvfp4": 16}     # K codes per staged scale
 
 
 def smem_bytes(fmt: str, bm: int, tk: int, stages: int, out_bytes: int) -> int:
     """Shared memory of one CTA: the pipelined weight, activation (and MXFP8 / NVFP4 scale) tiles
     and the two warpgroups' output tiles."""
-    scales = 2 * 64 * tk // SCALE_BLOCK[fmt] if fmt in SCALE_BLOCK else 0
+    scales = 2 * 64 * tk // wd.SCALE_BLOCK[fmt] if fmt in wd.SCALE_BLOCK else 0
     w_bytes = RB * tk // (2 if fmt == "nvfp4" else 1)
     return stages * (w_bytes + bm * tk * 2 + scales) + 2 * bm * 64 * out_bytes
 
@@ -147,8 +146,8 @@ def prefill_matmul(x, w, scales, *, fmt: str, bm: int, tk: int, stages: int, out
     cw = min(128, tk)                        # stored columns per register load = the swizzle
     delay = int(fmt == "mxfp8" and stages >= 3)        # wgmma groups left running at a step's end
     scale, *s2 = scales
-    if fmt in SCALE_BLOCK:
-        scale = scale.reshape(k // SCALE_BLOCK[fmt], n // 64, 64)   # a CTA's two 64-row scale vectors per block
+    if fmt in wd.SCALE_BLOCK:
+        scale = scale.reshape(k // wd.SCALE_BLOCK[fmt], n // 64, 64)   # a CTA's two 64-row scale vectors per block
         x_tr = wd.smem_tile(bf16, tk, swizzle=64)      # wgmma reads it in 32-column groups
         gw = 32
     else:
@@ -175,7 +174,8 @@ def prefill_matmul(x, w, scales, *, fmt: str, bm: int, tk: int, stages: int, out
             rows = w_smem.at[pl.ds(wg * 64, 64)]
             if fmt == "nvfp4":
                 for load in range(tk // 128):
-                    for j, v in enumerate(fp4.engine_fragments(rows, rest[0].at[:, wg], load, tk=tk, w_transforms=w_tr)):
+                    frags = fp4.engine_fragments(rows, rest[0].at[:, wg], load, tk=tk, w_transforms=w_tr)
+                    for j, v in enumerate(frags):
                         plgpu.wgmma(acc, v, x_smem.at[:, pl.ds(32 * (4 * load + j), 32)].T)
                 plgpu.wgmma_wait(0)
                 return acc
@@ -198,8 +198,8 @@ def prefill_matmul(x, w, scales, *, fmt: str, bm: int, tk: int, stages: int, out
         in_specs = [plgpu.BlockSpec((RB, w_cols), lambda kk: (nb, kk), transforms=w_tr, delay_release=delay),
                     plgpu.BlockSpec((bm, tk), lambda kk: (mb, kk), transforms=x_tr, delay_release=delay)]
         srcs = [w_gmem, x_gmem]
-        if fmt in SCALE_BLOCK:
-            in_specs.append(plgpu.BlockSpec((tk // SCALE_BLOCK[fmt], 2, 64), lambda kk: (kk, nb, 0),
+        if fmt in wd.SCALE_BLOCK:
+            in_specs.append(plgpu.BlockSpec((tk // wd.SCALE_BLOCK[fmt], 2, 64), lambda kk: (kk, nb, 0),
                                             delay_release=delay))
             srcs.append(s_gmem)
         plgpu.emit_pipeline_warp_specialized(

@@ -109,7 +109,10 @@ NUM_SMS = 132                # H200; sizes the decode split and the warp-special
 # RESULTS.md part 15): MXFP8's form is never slower (0.99-1.10x at 8-64 CTAs, 1.3-1.8x at 96 and
 # more, 1.54x already at 32 CTAs for 4096x12288), so it takes every grid; block FP8's form loses
 # below about half the SMs (0.82-0.97x at 8-64 CTAs, except 1.16x for 4096x12288 at 32) and wins
-# above (1.32-1.50x at 128), so its small grids stay here.
+# above (1.32-1.50x at 128), so its small grids stay here. NVFP4's form takes every grid: at 130
+# tokens (32-96 CTAs) it ran 46.4 / 54.3 / 136.9 us on 4096x4096 / 12288x4096 / 4096x12288
+# against 49.6 / 98.5 / 142.8 for this engine with its earlier NVFP4 decoding (part 35; this
+# engine with the word decoding was not timed on those grids).
 WS_MIN_CTAS = {"mxfp8": 1, "fp8_block": NUM_SMS // 2 + 1, "nvfp4": 1}
 
 
