@@ -192,9 +192,10 @@ def plan(m: int, n: int, k: int, fmt: str, *, tk: int | None = None, splits: int
 
     ``fmt`` is mxfp8 / fp8_block / nvfp4 (dequantizing engine), bf16 (plain weights) or fp8_w8a8
     (tk = 128). The largest K step and pipeline depth that fit ``budget`` bytes of shared memory
-    win. MXFP8 / NVFP4 steps are at least 64 wide: each stage's staged scale tile (tk / block rows
-    of 64 bytes) must fill TMA's 128-byte SMEM alignment (a 64-byte tile, MXFP8 at tk = 32, put
-    every second stage at a misaligned address: CUDA_ERROR_MISALIGNED_ADDRESS on the H200).
+    win. MXFP8 / NVFP4 steps are at least ``MIN_STEP`` wide: each stage's staged scale tile (tk /
+    block rows of 64 bytes) must fill TMA's 128-byte SMEM alignment (a 64-byte tile, MXFP8 at tk =
+    32, put every second stage at a misaligned address: CUDA_ERROR_MISALIGNED_ADDRESS on the
+    H200), and NVFP4's operand order needs steps of 128 or 256 codes.
     ``row_tiles``: the number of row tiles when it is not ceil(m / bm) (grouped calls: m is
     one tile's rows), for sizing the K split; decode splits K until ``max_ctas`` CTAs (default
     per format and token tile: ``decode_cta_cap``)."""

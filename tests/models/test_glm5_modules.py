@@ -113,7 +113,7 @@ def test_quantized_experts_kernel_path_matches_the_dequantized_grouped_dot(fmt, 
     interpreter) equals dequantizing the same experts and running the grouped dot, for a decode
     batch and with two layers' experts stacked (the scanned form, offset to the second layer)."""
     rng = np.random.default_rng(4)
-    n, d, i, e, k, limit, layers = 5, 128, 64, 6, 3, 4.0, 2
+    n, d, i, e, k, limit, layers = 5, 128, 128, 6, 3, 4.0, 2     # i: NVFP4's kernel steps 128 codes of K
     x = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
     idx = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(n)]), jnp.int32)
     wt = jnp.asarray(rng.random((n, k)), jnp.float32)
@@ -180,10 +180,10 @@ def test_kernel_path_needs_whole_kernel_tiles():
     def nv(n, k):                      # nvfp4 operands of 2 experts: codes, transposed scales, global scales
         return (jnp.zeros((2, n, k // 2), jnp.uint8), jnp.zeros((2, k // 16, n), jnp.float8_e4m3fn), jnp.ones((2,)))
 
-    assert kernel_takes(("nvfp4",) * 3, (128, 128), (nv(64, 128), nv(64, 128), nv(128, 64)))
-    assert not kernel_takes(("nvfp4",) * 3, (128, 128), (nv(64, 96), nv(64, 96), nv(96, 64)))     # K % 64
+    assert kernel_takes(("nvfp4",) * 3, (128, 128), (nv(128, 128), nv(128, 128), nv(128, 128)))
+    assert not kernel_takes(("nvfp4",) * 3, (128, 128), (nv(64, 128), nv(64, 128), nv(128, 64)))  # K % 128
     assert not kernel_takes(("nvfp4",) * 3, (128, 128), (nv(32, 128), nv(32, 128), nv(128, 32)))  # N % 64
-    assert not kernel_takes(("nvfp4", "nvfp4", None), (128, 128), (nv(64, 128), nv(64, 128), nv(128, 64)))
+    assert not kernel_takes(("nvfp4", "nvfp4", None), (128, 128), (nv(128, 128), nv(128, 128), nv(128, 128)))
 
     def mx(n, k):                      # mxfp8 operands of 2 experts: codes, transposed E8M0 scales
         return (jnp.zeros((2, n, k), jnp.float8_e4m3fn), jnp.zeros((2, k // 32, n), jnp.uint8))
