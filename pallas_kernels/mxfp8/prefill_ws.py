@@ -173,10 +173,9 @@ def prefill_matmul(x, w, scales, *, fmt: str, bm: int, tk: int, stages: int, out
             wg = lax.axis_index("wg")
             rows = w_smem.at[pl.ds(wg * 64, 64)]
             if fmt == "nvfp4":
-                for load in range(tk // 128):
-                    frags = fp4.engine_fragments(rows, rest[0].at[:, wg], load, tk=tk, w_transforms=w_tr)
-                    for j, v in enumerate(frags):
-                        plgpu.wgmma(acc, v, x_smem.at[:, pl.ds(32 * (4 * load + j), 32)].T)
+                frags = fp4.step_fragments(rows, rest[0].at[:, wg], tk=tk, w_transforms=w_tr)
+                for q, v in enumerate(frags):
+                    plgpu.wgmma(acc, v, x_smem.at[:, pl.ds(32 * q, 32)].T)
                 plgpu.wgmma_wait(0)
                 return acc
             if fmt == "mxfp8":

@@ -402,9 +402,8 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
                     for j in range(groups):
                         yield (v[:, gw * j:gw * (j + 1)],)
                     return
-                for load in range(tk // 128):
-                    for v in fp4.engine_fragments(w_smem, s_smem, load, tk=tk, w_transforms=w_tr):
-                        yield (v,)
+                for v in fp4.step_fragments(w_smem, s_smem, tk=tk, w_transforms=w_tr):
+                    yield (v,)
 
             def dequant(w_smem, buf, sc):
                 for j, parts in enumerate(dequant_groups(w_smem, sc)):

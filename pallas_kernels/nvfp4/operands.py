@@ -84,6 +84,12 @@ def engine_values(codes, scales, tk: int):
     return order_x(values(codes, scales), tk).astype(jnp.bfloat16)
 
 
+def step_fragments(w_ref, s_ref, *, tk: int, w_transforms):
+    """All tk / 32 slice pairs of a step, in the engine's K order (``engine_fragments``)."""
+    for load in range(tk // 128):
+        yield from engine_fragments(w_ref, s_ref, load, tk=tk, w_transforms=w_transforms)
+
+
 def engine_fragments(w_ref, s_ref, load: int, *, tk: int, w_transforms):
     """The step's wgmma A operands from its TMA-staged codes and scales: four [64, 32] bf16 arrays
     in the WGMMA layout, slice pairs 4 * load + j (j = 0..3) of the engine's K order.
