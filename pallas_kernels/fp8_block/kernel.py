@@ -89,7 +89,7 @@ def _w8a8(x2, w_q, w_scale_inv, np_, out_dtype, interpret, **plan_overrides):
     sxt = wd.pad_cols(sx.T, mp)                                          # [Kb, Mp] token-minor
     w = wd.pad_cols(wd.pad_rows(w_q, np_), kp)
     y = w8a8_matmul(xq, sxt, w, w_scale_inv, p=p, out_dtype=out_dtype, interpret=interpret)
-    return wd.finish(y, p, m, n, out_dtype)
+    return wd.finish(y, p.splits, m, n, out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("p", "out_dtype", "interpret"))

@@ -52,7 +52,7 @@ def prefill_matmul(xq, sxt, w, sw, *, out_dtype):
     cluster = 2 if n % (2 * RB) == 0 else 1          # pairs of weight blocks share the token tile
 
     def kernel(x_gmem, sx_gmem, w_gmem, sw_gmem, o_gmem, o_smem):
-        nb, mb = tile_of(n, m, BM, cluster)
+        nb, mb, _ = tile_of(n, m, BM, cluster)
 
         def compute_context(eval_pipeline):
             acc = eval_pipeline(plgpu.layout_cast(jnp.zeros((64, BM), f32), wd.WGMMA))

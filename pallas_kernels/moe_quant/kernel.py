@@ -36,4 +36,4 @@ def grouped_matmul_kernel(x_rows, tile_expert, fmt, w, *scales, expert_offset=0,
     te = jnp.where(tile_expert >= 0, tile_expert + jnp.asarray(expert_offset, jnp.int32), -1).astype(jnp.int32)
     y = wd.wdequant_matmul(xs, flat(w), scales, fmt=fmt, p=p, out_dtype=out_dtype,
                            tile_expert=te, expert_n=n, interpret=interpret)
-    return wd.finish(y, p, x_rows.shape[0], n, out_dtype)
+    return wd.finish(y, p.splits, x_rows.shape[0], n, out_dtype)

@@ -36,6 +36,21 @@ M = 1024), results bit-identical over six inputs each (H200, RESULTS.md parts 14
 Block FP8 keeps the full wait: its step is one group, and deferring that wait returned inf on
 the H200; its 2-stage pipeline would also lose a stage.
 
+Small grids (``config``): token tiles are as tight as 16-token multiples allow (130 tokens: one
+tile of 144, not 256), and a grid that does not fill the GPU takes the tiling with the most CTAs
+up to one per SM: 128-token tiles, K split over CTAs that each write an fp32 partial
+([splits, M, N], summed by the caller). One H200, same process, device us per call including
+the partial sums, 96 / 130 / 256 / 512 tokens against the tiling before (256-token tiles, no
+split; block FP8 there ran the one-warpgroup engine; RESULTS.md part 36):
+
+  NVFP4 4096x4096    30.1 / 47.0 / 45.4 / 49.2     -> 12.5 / 15.9 / 23.3 / 35.6
+  NVFP4 4096x12288   92.6 / 137.1 / 135.7 / 138.4  -> 29.9 / 36.2 / 57.8 / 98.2
+  MXFP8 4096x12288   91.9 / 122.0 / 118.2 / 119.4  -> 36.9 / 40.3 / 57.2 / 92.7
+  block FP8 4096x12288  108.8 / 120.6 / 118.6 / 119.4 -> 31.7 / 37.1 / 56.4 / 95.8
+
+12288-row weights (96 CTAs at 256-token tiles, no room for a split) gain 10-25 % at 96-130
+tokens from the tighter tiles and are unchanged from 256 tokens.
+
 GPU only: Mosaic GPU's interpreter models neither warp-specialized pipelines nor register
 operands, so interpret mode keeps ``wdequant``'s one-warpgroup form (same numerics).
 """
@@ -43,6 +58,7 @@ operands, so interpret mode keeps ``wdequant``'s one-warpgroup form (same numeri
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +74,7 @@ from . import wdequant as wd
 RB = 128                     # weight rows per CTA: two compute warpgroups x 64
 GROUP_TOKENS = 2048          # tokens of the launch order's groups (`tile_of`)
 FORMATS = ("mxfp8", "fp8_block", "nvfp4")
+MIN_SPLIT_STEPS = 4          # K steps of a split CTA at the least
 # (tk, stages) in order of preference per format (the first that fits SMEM_PER_CTA with the output
 # tile): one H200 at M = 2048 / 8192, bm = 256: MXFP8 best at tk 64 with 3-4 stages, block FP8
 # (one scale per 128 columns) at tk 128 with 2 stages (RESULTS.md part 12).
@@ -73,18 +90,61 @@ def smem_bytes(fmt: str, bm: int, tk: int, stages: int, out_bytes: int) -> int:
     return stages * (w_bytes + bm * tk * 2 + scales) + 2 * bm * 64 * out_bytes
 
 
-def config(fmt: str, m: int, n: int, k: int, out_dtype) -> tuple[int, int, int] | None:
-    """(bm, tk, stages) for an [m, k] x [n, k]^T product (n, k padded like ``wdequant``'s
-    operands), or None when the shapes do not fit this form (N not a multiple of 128, K of no
-    K step, an output tile too large)."""
+class Config(NamedTuple):
+    """Tiling of one call: ``bm`` tokens per CTA, K steps of ``tk`` through a ``stages``-deep
+    ring, K split over ``splits`` CTAs (fp32 partials summed by the caller when > 1)."""
+
+    bm: int
+    tk: int
+    stages: int
+    splits: int
+
+
+def token_tile(m: int, most: int) -> int:
+    """The tightest token tile that covers m tokens in ceil(m / most) tiles: a multiple of 16
+    tokens. (wgmma and TMA take multiples of 8, but on the H200 a 136-token MXFP8 tile with a
+    4-stage ring and an fp32 output tile gave wrong sums, relative error 1-3e-2; every other
+    tile tried matched XLA's product: MXFP8 16-256 tokens in steps of 32 and 256, block FP8 and
+    NVFP4 48-240 in steps of 48 and 144, each with every (tk, stages) of ``STEPS``, bf16 and fp32
+    outputs, split and not; RESULTS.md part 36.)"""
+    tiles = -(-m // most)
+    return wd.round_up(-(-m // tiles), 16)
+
+
+def config(fmt: str, m: int, n: int, k: int, out_dtype) -> Config | None:
+    """Tiling for an [m, k] x [n, k]^T product (n, k padded like ``wdequant``'s operands), or
+    None when the shapes do not fit this form (N not a multiple of 128, K of no K step, an
+    output tile too large).
+
+    Token tiles of up to 256 tokens while that grid fills the GPU (one CTA per SM); a smaller
+    grid takes the tiling with the most CTAs up to ``NUM_SMS``: tiles of up to 256 or 128
+    tokens, K split over up to ``NUM_SMS`` CTAs with at least ``MIN_SPLIT_STEPS`` K steps each,
+    ties to the (tk, stages) preferred in ``STEPS``, then to the larger token tile."""
     if fmt not in FORMATS or n % RB:
         return None
-    bm = 128 if m <= 128 else 256
-    out_bytes = jnp.dtype(out_dtype).itemsize
-    for tk, stages in STEPS[fmt]:
-        if k % tk == 0 and smem_bytes(fmt, bm, tk, stages, out_bytes) <= SMEM_PER_CTA:
-            return bm, tk, stages
-    return None
+    units = n // RB
+    options = []                             # (CTAs, -preference, bm, Config)
+    for bm in dict.fromkeys(token_tile(m, most) for most in (256, 128)):
+        ctas = units * -(-m // bm)
+        for pref, (tk, stages) in enumerate(STEPS[fmt]):
+            nk = k // tk
+            if k % tk:
+                continue
+            splits = [1] + [s for s in range(2, nk + 1) if nk % s == 0 and nk // s >= MIN_SPLIT_STEPS]
+            for s in splits:
+                out_bytes = 4 if s > 1 else jnp.dtype(out_dtype).itemsize
+                if (ctas * s <= wd.NUM_SMS or s == 1) and smem_bytes(fmt, bm, tk, stages, out_bytes) <= SMEM_PER_CTA:
+                    options.append((ctas * s, -pref, bm, Config(bm, tk, stages, s)))
+    if not options:
+        return None
+    largest = options[0]                     # the largest token tile that fits, no split, the preferred K step
+    one_wave = [o for o in options if o[0] <= wd.NUM_SMS]
+    return (largest if largest[0] >= wd.NUM_SMS or not one_wave else max(one_wave))[3]
+
+
+def ctas(c: Config, m: int, n: int) -> int:
+    """CTAs of the grid of an [m, k] x [n, k]^T call tiled by ``c``."""
+    return n // RB * -(-m // c.bm) * c.splits
 
 
 def launch_order(t, n_units: int, m_blocks: int, group: int):
@@ -98,12 +158,16 @@ def launch_order(t, n_units: int, m_blocks: int, group: int):
     return r // size, first + r % size
 
 
-def tile_of(n: int, m: int, bm: int, cluster: int):
-    """(weight block, token tile) of this CTA: `launch_order` over groups of ``GROUP_TOKENS``
-    tokens, so that the CTAs resident at once share their token and weight tiles (L2 reuse); a
-    2-CTA cluster's unit is a pair of adjacent weight blocks, one a member."""
-    unit, mb = launch_order(lax.axis_index("t"), n // RB // cluster, m // bm, max(1, GROUP_TOKENS // bm))
-    return (unit if cluster == 1 else unit * cluster + lax.axis_index("cl")), mb
+def tile_of(n: int, m: int, bm: int, cluster: int, splits: int = 1):
+    """(weight block, token tile, K split) of this CTA: `launch_order` over groups of
+    ``GROUP_TOKENS`` tokens, so that the CTAs resident at once share their token and weight
+    tiles (L2 reuse), one K split after the other; a 2-CTA cluster's unit is a pair of adjacent
+    weight blocks, one a member."""
+    units = n // RB // cluster
+    per_split = units * (m // bm)
+    t = lax.axis_index("t")
+    unit, mb = launch_order(t % per_split, units, m // bm, max(1, GROUP_TOKENS // bm))
+    return (unit if cluster == 1 else unit * cluster + lax.axis_index("cl")), mb, t // per_split
 
 
 def store_wg_tile(acc, o_smem, o_gmem, bm: int, nb, mb) -> None:
@@ -118,28 +182,36 @@ def store_wg_tile(acc, o_smem, o_gmem, bm: int, nb, mb) -> None:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def ws_call(kernel, m: int, n: int, bm: int, out_dtype, cluster: int = 1):
+def ws_call(kernel, m: int, n: int, bm: int, out_dtype, cluster: int = 1, splits: int = 1):
     """The launch shared by the warp-specialized forms: one CTA per output tile of 128 weight
-    rows x bm tokens, in clusters of ``cluster`` CTAs "cl" along N, in `tile_of`'s order (grid
-    "t"), three warpgroups "wg" (two compute, one TMA), an [M, N] output and the compute
-    warpgroups' [2, bm, 64] output tile as scratch."""
-    out_dtype = jnp.dtype(out_dtype)
+    rows x bm tokens and K split, in clusters of ``cluster`` CTAs "cl" along N, in `tile_of`'s
+    order (grid "t"), three warpgroups "wg" (two compute, one TMA), an [M, N] output ([splits,
+    M, N] fp32 partials when K is split) and the compute warpgroups' [2, bm, 64] output tile as
+    scratch."""
+    out_dtype = jnp.dtype(jnp.float32 if splits > 1 else out_dtype)
+    out_shape = (splits, m, n) if splits > 1 else (m, n)
     clusters = dict(cluster=(cluster,), cluster_names=("cl",)) if cluster > 1 else {}
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         scratch_types=(plgpu.SMEM((2, bm, 64), out_dtype, transforms=wd.smem_tile(out_dtype, 64)),),
-        grid=(n // RB // cluster * (m // bm),), grid_names=("t",), num_threads=3, thread_name="wg", **clusters,
+        grid=(splits * (n // RB // cluster) * (m // bm),), grid_names=("t",), num_threads=3, thread_name="wg",
+        **clusters,
         compiler_params=plgpu.CompilerParams(approx_math=True))
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "bm", "tk", "stages", "out_dtype"))
-def prefill_matmul(x, w, scales, *, fmt: str, bm: int, tk: int, stages: int, out_dtype):
-    """x [M, K] bf16 (M a multiple of bm), w [N, K] e4m3 or [N, K/2] NVFP4 codes (N a multiple
+@functools.partial(jax.jit, static_argnames=("fmt", "c", "out_dtype"))
+def prefill_matmul(x, w, scales, *, fmt: str, c: Config, out_dtype):
+    """x [M, K] bf16 (M a multiple of c.bm), w [N, K] e4m3 or [N, K/2] NVFP4 codes (N a multiple
     of 128), scales: mxfp8 ([K/32, N] uint8 transposed E8M0,), fp8_block ([N/128, K/128] fp32,),
-    nvfp4 ([K/16, N] e4m3 transposed, weight_scale_2 f32 [1]) -> [M, N] out_dtype. NVFP4 takes x
-    in the engine's K order (``fp4.order_x``) and its codes as whole words (``fp4.engine_fragments``)."""
+    nvfp4 ([K/16, N] e4m3 transposed, weight_scale_2 f32 [1]) -> [M, N] out_dtype, or [splits,
+    M, N] fp32 partials when c.splits > 1. NVFP4 takes x in the engine's K order
+    (``fp4.order_x``) and its codes as whole words (``fp4.engine_fragments``)."""
     m, k = x.shape
     n = w.shape[0]
+    bm, tk, stages, splits = c
+    nk = k // tk // splits                   # K steps of one split
+    if m % bm or n % RB or k % (tk * splits):
+        raise ValueError(f"operands not padded for the warp-specialized form: M={m} N={n} K={k} {c}")
     bf16 = jnp.bfloat16
     w_cols = tk // (2 if fmt == "nvfp4" else 1)     # weight tile bytes a row and step
     w_tr = wd.smem_tile(w.dtype, w_cols)
@@ -156,7 +228,8 @@ def prefill_matmul(x, w, scales, *, fmt: str, bm: int, tk: int, stages: int, out
 
     def kernel(x_gmem, w_gmem, s_gmem, *refs):
         *s2_gmem, o_gmem, o_smem = refs
-        nb, mb = tile_of(n, m, bm, 1)
+        nb, mb, ks = tile_of(n, m, bm, 1, splits)
+        k0 = ks * nk                         # first K step of this split
 
         def compute_context(eval_pipeline):
             @functools.partial(pl.run_scoped, acc=plgpu.ACC((64, bm), jnp.float32))
@@ -165,7 +238,7 @@ def prefill_matmul(x, w, scales, *, fmt: str, bm: int, tk: int, stages: int, out
                 eval_pipeline(acc)
                 plgpu.wgmma_wait(0)
                 out = acc[...] if factor is None else acc[...] * factor
-                store_wg_tile(out, o_smem, o_gmem, bm, nb, mb)
+                store_wg_tile(out, o_smem, o_gmem.at[ks] if splits > 1 else o_gmem, bm, nb, mb)
 
         def body(idx, w_smem, x_smem, *rest):
             (kk,) = idx
@@ -181,7 +254,7 @@ def prefill_matmul(x, w, scales, *, fmt: str, bm: int, tk: int, stages: int, out
             if fmt == "mxfp8":
                 sc = [wd._e8m0_to_bf16(plgpu.load(rest[0].at[i, wg], layout=wd.ROW)) for i in range(tk // 32)]
             else:                            # this CTA's 128 rows are one block row
-                sc = [s_gmem[nb, (kk * tk + gw * j) // 128] for j in range(tk // gw)]
+                sc = [s_gmem[nb, ((k0 + kk) * tk + gw * j) // 128] for j in range(tk // gw)]
             for c in range(tk // cw):
                 chunk = wd.load_chunk(fmt, rows, cw, c)
                 if fmt == "fp8_block":
@@ -194,15 +267,15 @@ def prefill_matmul(x, w, scales, *, fmt: str, bm: int, tk: int, stages: int, out
             plgpu.wgmma_wait(delay)
             return acc
 
-        in_specs = [plgpu.BlockSpec((RB, w_cols), lambda kk: (nb, kk), transforms=w_tr, delay_release=delay),
-                    plgpu.BlockSpec((bm, tk), lambda kk: (mb, kk), transforms=x_tr, delay_release=delay)]
+        in_specs = [plgpu.BlockSpec((RB, w_cols), lambda kk: (nb, k0 + kk), transforms=w_tr, delay_release=delay),
+                    plgpu.BlockSpec((bm, tk), lambda kk: (mb, k0 + kk), transforms=x_tr, delay_release=delay)]
         srcs = [w_gmem, x_gmem]
         if fmt in wd.SCALE_BLOCK:
-            in_specs.append(plgpu.BlockSpec((tk // wd.SCALE_BLOCK[fmt], 2, 64), lambda kk: (kk, nb, 0),
+            in_specs.append(plgpu.BlockSpec((tk // wd.SCALE_BLOCK[fmt], 2, 64), lambda kk: (k0 + kk, nb, 0),
                                             delay_release=delay))
             srcs.append(s_gmem)
         plgpu.emit_pipeline_warp_specialized(
-            body, grid=(k // tk,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            body, grid=(nk,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=stages, compute_context=compute_context, in_specs=in_specs)(*srcs)
 
-    return ws_call(kernel, m, n, bm, out_dtype)(x, w, scale, *s2)
+    return ws_call(kernel, m, n, bm, out_dtype, splits=splits)(x, w, scale, *s2)

@@ -20,9 +20,9 @@ One kernel serves both shapes of the problem, only the tiling differs (``plan``)
   for two CTAs per SM.
 * prefill (M > 64): bm = 128 or 256 tokens, no split, a ``[64, bm]`` fp32 accumulator.
   On the GPU, MXFP8, NVFP4 and block FP8 run these shapes in a warp-specialized form instead
-  (``prefill_ws``: 128 weight rows per CTA, 1.3-1.9x faster) where it fits; grouped calls,
-  calls with plan overrides, fp32-output NVFP4, block-FP8 grids too small for that form
-  (``fills_gpu``) and the interpreter use this one.
+  (``prefill_ws``: 128 weight rows per CTA, 1.3-1.9x faster, K split on grids smaller than
+  the GPU) where it fits; grouped calls, calls with plan overrides, block-FP8 grids too small
+  for that form even split (``fills_gpu``) and the interpreter use this one.
 
 Dequantization per format (``fmt``):
 
@@ -104,7 +104,8 @@ WGMMA = plgpu.Layout.WGMMA
 UPCAST_2X = plgpu.Layout.WGMMA_UPCAST_2X
 NUM_SMS = 132                # H200; sizes the decode split and the warp-specialized forms' minimum grid
 # The warp-specialized prefill form (``prefill_ws``) takes 128 weight rows per CTA where this
-# engine's prefill tiles take 64 (same tokens, neither splits K). Whether it also wins on grids
+# engine's prefill tiles take 64 (same tokens; this engine's prefill tiles do not split K, that
+# form splits it on small grids, ``prefill_ws.config``). Whether it also wins on grids
 # smaller than the GPU was measured on the H200 at 128-2048 tokens (same process, bf16 out,
 # RESULTS.md part 15): MXFP8's form is never slower (0.99-1.10x at 8-64 CTAs, 1.3-1.8x at 96 and
 # more, 1.54x already at 32 CTAs for 4096x12288), so it takes every grid; block FP8's form loses
@@ -112,13 +113,15 @@ NUM_SMS = 132                # H200; sizes the decode split and the warp-special
 # above (1.32-1.50x at 128), so its small grids stay here. NVFP4's form takes every grid: at 130
 # tokens (32-96 CTAs) it ran 46.4 / 54.3 / 136.9 us on 4096x4096 / 12288x4096 / 4096x12288
 # against 49.6 / 98.5 / 142.8 for this engine with its earlier NVFP4 decoding (part 35; this
-# engine with the word decoding was not timed on those grids).
+# engine with the word decoding was not timed on those grids). ``fills_gpu`` counts the CTAs of
+# the K-split grid: block FP8 at 130 tokens through a 4096x4096 weight then takes the form with 4
+# splits (128 CTAs), 16.5 us against 39.0 for this engine (part 36).
 WS_MIN_CTAS = {"mxfp8": 1, "fp8_block": NUM_SMS // 2 + 1, "nvfp4": 1}
 
 
-def fills_gpu(fmt: str, row_blocks: int, token_tiles: int) -> bool:
-    """Whether a warp-specialized grid of ``row_blocks`` x ``token_tiles`` CTAs is large enough."""
-    return row_blocks * token_tiles >= WS_MIN_CTAS[fmt]
+def fills_gpu(fmt: str, ctas: int) -> bool:
+    """Whether a warp-specialized grid of ``ctas`` CTAs is large enough."""
+    return ctas >= WS_MIN_CTAS[fmt]
 
 
 # Decode: K is split until about this many CTAs exist. The register-dequantizing formats are
@@ -499,23 +502,22 @@ def matmul_padded(fmt: str, x2, w, scales, n: int, out_dtype, interpret=False, *
     if m > 64 and not interpret and not plan_overrides:
         from . import prefill_ws           # (imports this module)
 
-        ws = prefill_ws.config(fmt, m, w.shape[0], kp, out_dtype)
-        if ws is not None and fills_gpu(fmt, w.shape[0] // prefill_ws.RB, -(-m // ws[0])):
-            bm, tk, stages = ws
-            xw = pad_rows(x2, round_up(m, bm))
-            y = prefill_ws.prefill_matmul(fp4.order_x(xw, tk) if fmt == "nvfp4" else xw, w, scales, fmt=fmt, bm=bm,
-                                          tk=tk, stages=stages, out_dtype=jnp.dtype(out_dtype))
-            return y[:m, :n]
+        c = prefill_ws.config(fmt, m, w.shape[0], kp, out_dtype)
+        if c is not None and fills_gpu(fmt, prefill_ws.ctas(c, m, w.shape[0])):
+            xw = pad_rows(x2, round_up(m, c.bm))
+            y = prefill_ws.prefill_matmul(fp4.order_x(xw, c.tk) if fmt == "nvfp4" else xw, w, scales, fmt=fmt, c=c,
+                                          out_dtype=jnp.dtype(out_dtype))
+            return finish(y, c.splits, m, n, out_dtype)
     p = plan(m, w.shape[0], kp, fmt, **plan_overrides)
     xp = x2 if m <= TMA_ROWS else pad_rows(x2, round_up(m, p.bm))     # see the module docstring
     xs = (fp4.order_x(xp, p.tk),) if fmt == "nvfp4" else (xp,)
     y = wdequant_matmul(xs, w, scales, fmt=fmt, p=p, out_dtype=out_dtype, interpret=interpret)
-    return finish(y, p, m, n, out_dtype)
+    return finish(y, p.splits, m, n, out_dtype)
 
 
-def finish(y, p: Plan, m: int, n: int, out_dtype):
-    """Sums split partials and crops the padding: -> [m, n] out_dtype."""
-    if p.splits > 1:
+def finish(y, splits: int, m: int, n: int, out_dtype):
+    """Sums the partials of a K split over ``splits`` CTAs and crops the padding: -> [m, n] out_dtype."""
+    if splits > 1:
         y = jnp.sum(y, axis=0)
     return y[:m, :n].astype(out_dtype)
 

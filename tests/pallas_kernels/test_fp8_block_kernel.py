@@ -204,3 +204,19 @@ def test_compiled_w8a8_prefill_forms_agree_bitwise(out_dtype, m, n, k):
     y_one = matmul_kernel(x, wq, ws, act_quant=True, out_dtype=out_dtype, stages=2)
     np.testing.assert_array_equal(np.asarray(y_ws, np.float32), np.asarray(y_one, np.float32))
     assert orc.rel_err(y_ws.astype(jnp.float32), oracle_w8a8(x, wq, ws)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(130, 2048, 4096), (100, 4096, 2048)])
+def test_compiled_prefill_split_k(m, n, k, out_dtype):
+    """Small prefill grids in the warp-specialized form: 144- and 112-token tiles with K split
+    over 4-8 CTAs (``prefill_ws.config``), partials summed in fp32."""
+    from pallas_kernels.mxfp8 import prefill_ws
+    from pallas_kernels.mxfp8 import wdequant as wd
+
+    c = prefill_ws.config("fp8_block", m, n, k, out_dtype)
+    assert c.splits > 1 and wd.fills_gpu("fp8_block", prefill_ws.ctas(c, m, n))
+    x, wq, ws = make(m, n, k, seed=14)
+    y = matmul(x, wq, ws, backend="pallas", out_dtype=out_dtype)
+    assert orc.rel_err(y.astype(jnp.float32), oracle_w8a16(x, wq, ws)) < (1e-4 if out_dtype == jnp.float32 else 1e-2)

@@ -268,29 +268,73 @@ def test_prefill_ws_tiles_fit_shared_memory():
     a pipeline as deep as the output tile leaves room for (fp32 outputs take twice the bytes)."""
     from pallas_kernels.mxfp8 import prefill_ws as ws
 
-    assert ws.config("mxfp8", 2048, 12288, 4096, jnp.bfloat16) == (256, 64, 4)
-    assert ws.config("mxfp8", 2048, 12288, 4096, jnp.float32) == (256, 64, 2)
-    assert ws.config("fp8_block", 2048, 12288, 4096, jnp.bfloat16) == (256, 128, 2)
-    assert ws.config("fp8_block", 100, 512, 1024, jnp.float32) == (128, 128, 2)
-    assert ws.config("fp8_block", 2048, 512, 4032, jnp.bfloat16) == (256, 64, 4)     # K not a multiple of 128
-    assert ws.config("mxfp8", 2048, 4032, 4096, jnp.bfloat16) is None               # N not a multiple of 128
-    assert ws.config("nvfp4", 2048, 12288, 4096, jnp.bfloat16) == (256, 128, 2)
-    assert ws.config("nvfp4", 2048, 12288, 4096, jnp.float32) is None              # 2 stages and fp32 tiles do not fit
-    assert ws.config("nvfp4", 2048, 12288, 4032, jnp.bfloat16) is None             # K not a multiple of 128
+    assert ws.config("mxfp8", 2048, 12288, 4096, jnp.bfloat16) == (256, 64, 4, 1)
+    assert ws.config("mxfp8", 2048, 12288, 4096, jnp.float32) == (256, 64, 2, 1)
+    assert ws.config("fp8_block", 2048, 12288, 4096, jnp.bfloat16) == (256, 128, 2, 1)
+    assert ws.config("fp8_block", 2048, 512, 4032, jnp.bfloat16) == (256, 64, 2, 3)   # K = 63 steps of 64: 32 CTAs x 3
+    assert ws.config("mxfp8", 2048, 4032, 4096, jnp.bfloat16) is None                # N not a multiple of 128
+    assert ws.config("nvfp4", 2048, 12288, 4096, jnp.bfloat16) == (256, 128, 2, 1)
+    assert ws.config("nvfp4", 2048, 12288, 4096, jnp.float32) == (128, 128, 2, 1)    # 256-token fp32 tiles do not fit
+    assert ws.config("nvfp4", 2048, 12288, 4032, jnp.bfloat16) is None              # K not a multiple of 128
     for fmt in ws.FORMATS:
-        for out in (jnp.bfloat16,) + ((jnp.float32,) if fmt != "nvfp4" else ()):
-            bm, tk, stages = ws.config(fmt, 4096, 4096, 4096, out)
-            assert ws.smem_bytes(fmt, bm, tk, stages, jnp.dtype(out).itemsize) <= SMEM_PER_CTA
+        for m in (65, 100, 130, 256, 512, 1100, 4096):
+            for n, k in ((512, 1024), (4096, 4096), (12288, 4096), (4096, 12288)):
+                for out in (jnp.bfloat16, jnp.float32):
+                    c = ws.config(fmt, m, n, k, out)
+                    out_bytes = 4 if c.splits > 1 else jnp.dtype(out).itemsize
+                    assert ws.smem_bytes(fmt, c.bm, c.tk, c.stages, out_bytes) <= SMEM_PER_CTA, (fmt, m, n, k, c)
+                    tiles = -(-m // c.bm)
+                    assert c.bm % 16 == 0 and c.bm <= 256 and tiles * c.bm < m + 16 * tiles   # tight token tiles
+                    assert k // c.tk % c.splits == 0
+                    assert c.splits == 1 or k // c.tk // c.splits >= ws.MIN_SPLIT_STEPS
+
+
+def test_prefill_ws_small_grids_split_k():
+    """Grids smaller than the GPU take tighter token tiles and K splits, up to one CTA per SM
+    (one H200: 96-512 tokens through 4096-row weights 1.5-3.5x faster, RESULTS.md part 36);
+    grids that fill it keep 256-token tiles."""
+    from pallas_kernels.mxfp8 import prefill_ws as ws
+    from pallas_kernels.mxfp8 import wdequant as wd
+
+    assert ws.config("nvfp4", 130, 4096, 12288, jnp.bfloat16) == (144, 128, 2, 4)
+    assert ws.config("nvfp4", 256, 4096, 4096, jnp.bfloat16) == (128, 128, 2, 2)
+    assert ws.config("nvfp4", 512, 4096, 4096, jnp.bfloat16) == (128, 128, 2, 1)
+    assert ws.config("mxfp8", 130, 4096, 4096, jnp.bfloat16) == (144, 64, 4, 4)
+    assert ws.config("mxfp8", 130, 12288, 4096, jnp.bfloat16) == (144, 64, 4, 1)    # 96 CTAs: no room for 2 splits
+    assert ws.config("mxfp8", 512, 12288, 4096, jnp.bfloat16) == (256, 64, 4, 1)    # 192 CTAs fill the GPU
+    assert ws.config("fp8_block", 256, 4096, 4096, jnp.bfloat16) == (128, 128, 2, 2)
+    for fmt in ws.FORMATS:
+        for m, n, k in ((96, 4096, 4096), (130, 4096, 12288), (256, 4096, 12288), (100, 2048, 4096)):
+            c = ws.config(fmt, m, n, k, jnp.bfloat16)
+            assert wd.NUM_SMS // 2 < ws.ctas(c, m, n) <= wd.NUM_SMS, (fmt, m, n, k, c)
 
 
 def test_small_grids_choose_the_engine_per_format():
     """MXFP8's warp-specialized form wins on every grid measured, so it takes them all; block FP8's
-    loses on grids below about half the SMs (e.g. a 128-token batch through a 4096-row weight: 32
-    CTAs), which keep the one-warpgroup engine."""
+    loses on grids below about half the SMs, which keep the one-warpgroup engine; with K splits
+    (``prefill_ws.config``) its grids reach that size wherever K has the steps for it."""
+    from pallas_kernels.mxfp8 import prefill_ws as ws
     from pallas_kernels.mxfp8 import wdequant as wd
 
-    assert wd.fills_gpu("mxfp8", 4096 // 128, 1)
-    assert wd.fills_gpu("mxfp8", 1024 // 128, 1)
-    assert not wd.fills_gpu("fp8_block", 4096 // 128, 1)        # M = 128 or 256 (one token tile), N = 4096
-    assert wd.fills_gpu("fp8_block", 24576 // 128, 1)           # the fused gate/up of the same layer
-    assert wd.fills_gpu("fp8_block", 4096 // 128, 2048 // 256)  # a 2048-token prefill chunk
+    assert wd.fills_gpu("mxfp8", 1024 // 128)
+    assert not wd.fills_gpu("fp8_block", 4096 // 128)                  # 32 CTAs
+    assert wd.fills_gpu("fp8_block", 24576 // 128)
+    c = ws.config("fp8_block", 130, 4096, 4096, jnp.bfloat16)         # 32 CTAs without the split
+    assert c.splits == 4 and wd.fills_gpu("fp8_block", ws.ctas(c, 130, 4096))
+    assert not wd.fills_gpu("fp8_block", ws.ctas(ws.config("fp8_block", 130, 512, 512, jnp.bfloat16), 130, 512))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(130, 2048, 4096), (100, 4096, 2048)])
+def test_compiled_prefill_split_k(m, n, k, out_dtype):
+    """Small prefill grids in the warp-specialized form: 144- and 112-token tiles with K split
+    over 4-8 CTAs (``prefill_ws.config``), partials summed in fp32."""
+    from pallas_kernels.mxfp8 import prefill_ws
+    from pallas_kernels.mxfp8 import wdequant as wd
+
+    c = prefill_ws.config("mxfp8", m, n, k, out_dtype)
+    assert c.splits > 1 and wd.fills_gpu("mxfp8", prefill_ws.ctas(c, m, n))
+    x, wq, ws = make(m, n, k, seed=14)
+    y = matmul(x, wq, ws, backend="pallas", out_dtype=out_dtype)
+    assert orc.rel_err(y.astype(jnp.float32), oracle(x, wq, ws)) < (1e-4 if out_dtype == jnp.float32 else 1e-2)

@@ -177,3 +177,19 @@ def test_gemv_member_scales_and_swiglu(interpret):
     glu = run(x, wq, ws, s2, glu=True)
     same = np.asarray(glu) == np.asarray(row_gemv.silu_times(*halves))
     assert same.all() if interpret else same.mean() > 0.99          # ex2.approx on the GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(130, 2048, 4096), (100, 4096, 2048)])
+def test_compiled_prefill_split_k(m, n, k, out_dtype):
+    """Small prefill grids in the warp-specialized form: 144- and 112-token tiles with K split
+    over 4-8 CTAs (``prefill_ws.config``), partials summed in fp32."""
+    from pallas_kernels.mxfp8 import prefill_ws
+    from pallas_kernels.mxfp8 import wdequant as wd
+
+    c = prefill_ws.config("nvfp4", m, n, k, out_dtype)
+    assert c.splits > 1 and wd.fills_gpu("nvfp4", prefill_ws.ctas(c, m, n))
+    x, *w = make(m, n, k, seed=14)
+    y = matmul(x, *w, backend="pallas", out_dtype=out_dtype)
+    assert orc.rel_err(y.astype(jnp.float32), oracle(x, *w)) < (1e-4 if out_dtype == jnp.float32 else 1e-2)
