@@ -75,8 +75,8 @@ RB = 128                     # weight rows per CTA: two compute warpgroups x 64
 GROUP_TOKENS = 2048          # tokens of the launch order's groups (`tile_of`)
 FORMATS = ("mxfp8", "fp8_block", "nvfp4")
 MIN_SPLIT_STEPS = 4          # K steps of a split CTA at the least
-# (tk, stages) in order of preference per format (the first that fits SMEM_PER_CTA with the output
-# tile): one H200 at M = 2048 / 8192, bm = 256: MXFP8 best at tk 64 with 3-4 stages, block FP8
+# (tk, stages) in order of preference per format (among tilings of as many CTAs, the first that
+# fits SMEM_PER_CTA with the output tile, ``config``): one H200 at M = 2048 / 8192, bm = 256: MXFP8 best at tk 64 with 3-4 stages, block FP8
 # (one scale per 128 columns) at tk 128 with 2 stages (RESULTS.md part 12).
 STEPS = {"mxfp8": ((64, 4), (64, 3), (64, 2)), "fp8_block": ((128, 2), (64, 4), (64, 3), (64, 2)),
          "nvfp4": ((128, 2),)}
