@@ -48,7 +48,7 @@ split; block FP8 there ran the one-warpgroup engine; RESULTS.md part 36):
   MXFP8 4096x12288   91.9 / 122.0 / 118.2 / 119.4  -> 36.9 / 40.3 / 57.2 / 92.7
   block FP8 4096x12288  108.8 / 120.6 / 118.6 / 119.4 -> 31.7 / 37.1 / 56.4 / 95.8
 
-12288-row weights (96 CTAs at 256-token tiles, no room for a split) gain 10-25 % at 96-130
+12288-row weights (96 CTAs at 256-token tiles, no room for a split) gain 13-27 % at 96-130
 tokens from the tighter tiles and are unchanged from 256 tokens.
 
 GPU only: Mosaic GPU's interpreter models neither warp-specialized pipelines nor register
