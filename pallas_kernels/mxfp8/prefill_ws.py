@@ -76,8 +76,9 @@ GROUP_TOKENS = 2048          # tokens of the launch order's groups (`tile_of`)
 FORMATS = ("mxfp8", "fp8_block", "nvfp4")
 MIN_SPLIT_STEPS = 4          # K steps of a split CTA at the least
 # (tk, stages) in order of preference per format (among tilings of as many CTAs, the first that
-# fits SMEM_PER_CTA with the output tile, ``config``): one H200 at M = 2048 / 8192, bm = 256: MXFP8 best at tk 64 with 3-4 stages, block FP8
-# (one scale per 128 columns) at tk 128 with 2 stages (RESULTS.md part 12).
+# fits SMEM_PER_CTA with the output tile, ``config``): one H200 at M = 2048 / 8192, bm = 256:
+# MXFP8 best at tk 64 with 3-4 stages, block FP8 (one scale per 128 columns) at tk 128 with 2
+# stages (RESULTS.md part 12).
 STEPS = {"mxfp8": ((64, 4), (64, 3), (64, 2)), "fp8_block": ((128, 2), (64, 4), (64, 3), (64, 2)),
          "nvfp4": ((128, 2),)}
 
@@ -122,19 +123,18 @@ def config(fmt: str, m: int, n: int, k: int, out_dtype) -> Config | None:
     ties to the (tk, stages) preferred in ``STEPS``, then to the larger token tile."""
     if fmt not in FORMATS or n % RB:
         return None
-    units = n // RB
     options = []                             # (CTAs, -preference, bm, Config)
     for bm in dict.fromkeys(token_tile(m, most) for most in (256, 128)):
-        ctas = units * -(-m // bm)
         for pref, (tk, stages) in enumerate(STEPS[fmt]):
             nk = k // tk
             if k % tk:
                 continue
-            splits = [1] + [s for s in range(2, nk + 1) if nk % s == 0 and nk // s >= MIN_SPLIT_STEPS]
-            for s in splits:
+            for s in [1] + [s for s in range(2, nk + 1) if nk % s == 0 and nk // s >= MIN_SPLIT_STEPS]:
+                c = Config(bm, tk, stages, s)
                 out_bytes = 4 if s > 1 else jnp.dtype(out_dtype).itemsize
-                if (ctas * s <= wd.NUM_SMS or s == 1) and smem_bytes(fmt, bm, tk, stages, out_bytes) <= SMEM_PER_CTA:
-                    options.append((ctas * s, -pref, bm, Config(bm, tk, stages, s)))
+                fits = smem_bytes(fmt, bm, tk, stages, out_bytes) <= SMEM_PER_CTA
+                if fits and (s == 1 or ctas(c, m, n) <= wd.NUM_SMS):
+                    options.append((ctas(c, m, n), -pref, bm, c))
     if not options:
         return None
     largest = options[0]                     # the largest token tile that fits, no split, the preferred K step

@@ -102,7 +102,7 @@ TMA_ROWS = 8                 # row tiling of the x tiles in SMEM (TMA box rows)
 ROW = plgpu.Layout.WGMMA.reduce(1)
 WGMMA = plgpu.Layout.WGMMA
 UPCAST_2X = plgpu.Layout.WGMMA_UPCAST_2X
-NUM_SMS = 132                # H200; sizes the decode split and the warp-specialized forms' minimum grid
+NUM_SMS = 132                # H200; sizes the decode split and the warp-specialized forms' grids
 # The warp-specialized prefill form (``prefill_ws``) takes 128 weight rows per CTA where this
 # engine's prefill tiles take 64 (same tokens; this engine's prefill tiles do not split K, that
 # form splits it on small grids, ``prefill_ws.config``). Whether it also wins on grids
