@@ -24,9 +24,10 @@ than the one-warpgroup engine: 105.0 / 299.6 / 299.1 us against 194.8 / 572.6 / 
 XLA's bf16 product at M = 8192 when that product is an fp32 result cast to bf16, 0.88-1.00x against its bf16 result (part 34). XLA's
 dequantize-then-dot with that bf16 result is 4-12 % faster at M = 8192, so the linear layers
 give it chunks from 8192 rows (``linear.kernel_max_rows``). 2-CTA clusters sharing the token
-tile by TMA multicast (as the W8A8 form does) gained 0-3 % for block FP8 and nothing with the
-launch order; for MXFP8 they gave wrong results (the deferred ``wgmma`` wait below with the
-cluster-wide release of the slots), so neither takes them.
+tile by TMA multicast (as the W8A8 form does) gain 3-8 % for NVFP4 and 10-15 % for MXFP8 grids
+of one token tile, nothing for block FP8 (``shares_token_tiles``); with the deferred ``wgmma``
+wait below they gave wrong MXFP8 results (the cluster-wide release of the slots), so MXFP8's
+clusters wait for every group.
 
 With a pipeline of three or more stages, an MXFP8 step (two or more ``wgmma`` groups) waits
 for all but its last group, which keeps the tensor cores busy while the next tile is dequantized
@@ -93,12 +94,14 @@ def smem_bytes(fmt: str, bm: int, tk: int, stages: int, out_bytes: int) -> int:
 
 class Config(NamedTuple):
     """Tiling of one call: ``bm`` tokens per CTA, K steps of ``tk`` through a ``stages``-deep
-    ring, K split over ``splits`` CTAs (fp32 partials summed by the caller when > 1)."""
+    ring, K split over ``splits`` CTAs (fp32 partials summed by the caller when > 1), CTAs in
+    clusters of ``cluster`` along N that share each token tile by TMA multicast."""
 
     bm: int
     tk: int
     stages: int
     splits: int
+    cluster: int = 1
 
 
 def token_tile(m: int, most: int) -> int:
@@ -120,7 +123,8 @@ def config(fmt: str, m: int, n: int, k: int, out_dtype) -> Config | None:
     Token tiles of up to 256 tokens while that grid fills the GPU (one CTA per SM); a smaller
     grid takes the tiling with the most CTAs up to ``NUM_SMS``: tiles of up to 256 or 128
     tokens, K split over up to ``NUM_SMS`` CTAs with at least ``MIN_SPLIT_STEPS`` K steps each,
-    ties to the (tk, stages) preferred in ``STEPS``, then to the larger token tile."""
+    ties to the (tk, stages) preferred in ``STEPS``, then to the larger token tile; in 2-CTA
+    clusters where ``shares_token_tiles``."""
     if fmt not in FORMATS or n % RB:
         return None
     options = []                             # (CTAs, -preference, bm, Config)
@@ -139,7 +143,26 @@ def config(fmt: str, m: int, n: int, k: int, out_dtype) -> Config | None:
         return None
     largest = options[0]                     # the largest token tile that fits, no split, the preferred K step
     one_wave = [o for o in options if o[0] <= wd.NUM_SMS]
-    return (largest if largest[0] >= wd.NUM_SMS or not one_wave else max(one_wave))[3]
+    c = (largest if largest[0] >= wd.NUM_SMS or not one_wave else max(one_wave))[3]
+    return c._replace(cluster=2) if shares_token_tiles(fmt, m, n, c.bm) else c
+
+
+def shares_token_tiles(fmt: str, m: int, n: int, bm: int) -> bool:
+    """Whether pairs of CTAs along N take each token tile by TMA multicast (a 2-CTA cluster;
+    N must hold an even number of 128-row blocks): NVFP4 on every grid, MXFP8 when all tokens
+    are one tile (its clusters drop the deferred ``wgmma`` wait, which is worth more than the
+    multicast on larger grids). Block FP8 gains nothing from them. One H200, same process, device
+    us (RESULTS.md part 37), results bit-identical:
+
+      NVFP4 130x4096x12288 / 512x4096x12288 / 512x12288x4096 / 2048x12288x4096 / 2048x4096x4096:
+        36.6 / 100.5 / 102.1 / 300.8 / 107.1 -> 34.9 / 97.3 / 94.7 / 281.5 / 99.3
+      MXFP8 130x12288x4096 / 256x12288x4096 / 130x4096x12288 (one token tile):
+        43.9 / 56.7 / 40.4 -> 39.8 / 48.3 / 36.5; without the deferred wait alone 42.0 / 51.7 / 38.2
+      MXFP8 512x4096x4096 / 512x4096x12288 / 2048x4096x12288 (several tiles):
+        32.8 / 92.9 / 272.7 -> 35.3 / 100.8 / 283.1 (so these keep one CTA a cluster)"""
+    if (n // RB) % 2:
+        return False
+    return fmt == "nvfp4" or (fmt == "mxfp8" and m <= bm)
 
 
 def ctas(c: Config, m: int, n: int) -> int:
@@ -208,15 +231,15 @@ def prefill_matmul(x, w, scales, *, fmt: str, c: Config, out_dtype):
     (``fp4.order_x``) and its codes as whole words (``fp4.engine_fragments``)."""
     m, k = x.shape
     n = w.shape[0]
-    bm, tk, stages, splits = c
+    bm, tk, stages, splits, cluster = c
     nk = k // tk // splits                   # K steps of one split
-    if m % bm or n % RB or k % (tk * splits):
+    if m % bm or n % (RB * cluster) or k % (tk * splits):
         raise ValueError(f"operands not padded for the warp-specialized form: M={m} N={n} K={k} {c}")
     bf16 = jnp.bfloat16
     w_cols = tk // (2 if fmt == "nvfp4" else 1)     # weight tile bytes a row and step
     w_tr = wd.smem_tile(w.dtype, w_cols)
     cw = min(128, tk)                        # stored columns per register load = the swizzle
-    delay = int(fmt == "mxfp8" and stages >= 3)        # wgmma groups left running at a step's end
+    delay = int(fmt == "mxfp8" and stages >= 3 and cluster == 1)   # wgmma groups left running at a step's end
     scale, *s2 = scales
     if fmt in wd.SCALE_BLOCK:
         scale = scale.reshape(k // wd.SCALE_BLOCK[fmt], n // 64, 64)   # a CTA's two 64-row scale vectors per block
@@ -228,7 +251,7 @@ def prefill_matmul(x, w, scales, *, fmt: str, c: Config, out_dtype):
 
     def kernel(x_gmem, w_gmem, s_gmem, *refs):
         *s2_gmem, o_gmem, o_smem = refs
-        nb, mb, ks = tile_of(n, m, bm, 1, splits)
+        nb, mb, ks = tile_of(n, m, bm, cluster, splits)
         k0 = ks * nk                         # first K step of this split
 
         def compute_context(eval_pipeline):
@@ -268,7 +291,8 @@ def prefill_matmul(x, w, scales, *, fmt: str, c: Config, out_dtype):
             return acc
 
         in_specs = [plgpu.BlockSpec((RB, w_cols), lambda kk: (nb, k0 + kk), transforms=w_tr, delay_release=delay),
-                    plgpu.BlockSpec((bm, tk), lambda kk: (mb, k0 + kk), transforms=x_tr, delay_release=delay)]
+                    plgpu.BlockSpec((bm, tk), lambda kk: (mb, k0 + kk), transforms=x_tr, delay_release=delay,
+                                    collective_axes=("cl",) if cluster > 1 else ())]
         srcs = [w_gmem, x_gmem]
         if fmt in wd.SCALE_BLOCK:
             in_specs.append(plgpu.BlockSpec((tk // wd.SCALE_BLOCK[fmt], 2, 64), lambda kk: (k0 + kk, nb, 0),
@@ -278,4 +302,4 @@ def prefill_matmul(x, w, scales, *, fmt: str, c: Config, out_dtype):
             body, grid=(nk,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=stages, compute_context=compute_context, in_specs=in_specs)(*srcs)
 
-    return ws_call(kernel, m, n, bm, out_dtype, splits=splits)(x, w, scale, *s2)
+    return ws_call(kernel, m, n, bm, out_dtype, cluster, splits)(x, w, scale, *s2)

@@ -268,13 +268,13 @@ def test_prefill_ws_tiles_fit_shared_memory():
     a pipeline as deep as the output tile leaves room for (fp32 outputs take twice the bytes)."""
     from pallas_kernels.mxfp8 import prefill_ws as ws
 
-    assert ws.config("mxfp8", 2048, 12288, 4096, jnp.bfloat16) == (256, 64, 4, 1)
-    assert ws.config("mxfp8", 2048, 12288, 4096, jnp.float32) == (256, 64, 2, 1)
-    assert ws.config("fp8_block", 2048, 12288, 4096, jnp.bfloat16) == (256, 128, 2, 1)
-    assert ws.config("fp8_block", 2048, 512, 4032, jnp.bfloat16) == (256, 64, 2, 3)   # K = 63 steps of 64: 32 CTAs x 3
+    assert ws.config("mxfp8", 2048, 12288, 4096, jnp.bfloat16) == (256, 64, 4, 1, 1)
+    assert ws.config("mxfp8", 2048, 12288, 4096, jnp.float32) == (256, 64, 2, 1, 1)
+    assert ws.config("fp8_block", 2048, 12288, 4096, jnp.bfloat16) == (256, 128, 2, 1, 1)
+    assert ws.config("fp8_block", 2048, 512, 4032, jnp.bfloat16) == (256, 64, 2, 3, 1)   # K = 63 steps of 64: 32 CTAs x 3
     assert ws.config("mxfp8", 2048, 4032, 4096, jnp.bfloat16) is None                # N not a multiple of 128
-    assert ws.config("nvfp4", 2048, 12288, 4096, jnp.bfloat16) == (256, 128, 2, 1)
-    assert ws.config("nvfp4", 2048, 12288, 4096, jnp.float32) == (128, 128, 2, 1)    # 256-token fp32 tiles do not fit
+    assert ws.config("nvfp4", 2048, 12288, 4096, jnp.bfloat16) == (256, 128, 2, 1, 2)
+    assert ws.config("nvfp4", 2048, 12288, 4096, jnp.float32) == (128, 128, 2, 1, 2)    # 256-token fp32 tiles do not fit
     assert ws.config("nvfp4", 2048, 12288, 4032, jnp.bfloat16) is None              # K not a multiple of 128
     for fmt in ws.FORMATS:
         for m in (65, 100, 130, 256, 512, 1100, 4096):
@@ -287,6 +287,7 @@ def test_prefill_ws_tiles_fit_shared_memory():
                     assert c.bm % 16 == 0 and c.bm <= 256 and tiles * c.bm < m + 16 * tiles   # tight token tiles
                     assert k // c.tk % c.splits == 0
                     assert c.splits == 1 or k // c.tk // c.splits >= ws.MIN_SPLIT_STEPS
+                    assert n // ws.RB % c.cluster == 0
 
 
 def test_prefill_ws_small_grids_split_k():
@@ -296,17 +297,31 @@ def test_prefill_ws_small_grids_split_k():
     from pallas_kernels.mxfp8 import prefill_ws as ws
     from pallas_kernels.mxfp8 import wdequant as wd
 
-    assert ws.config("nvfp4", 130, 4096, 12288, jnp.bfloat16) == (144, 128, 2, 4)
-    assert ws.config("nvfp4", 256, 4096, 4096, jnp.bfloat16) == (128, 128, 2, 2)
-    assert ws.config("nvfp4", 512, 4096, 4096, jnp.bfloat16) == (128, 128, 2, 1)
-    assert ws.config("mxfp8", 130, 4096, 4096, jnp.bfloat16) == (144, 64, 4, 4)
-    assert ws.config("mxfp8", 130, 12288, 4096, jnp.bfloat16) == (144, 64, 4, 1)    # 96 CTAs: no room for 2 splits
-    assert ws.config("mxfp8", 512, 12288, 4096, jnp.bfloat16) == (256, 64, 4, 1)    # 192 CTAs fill the GPU
-    assert ws.config("fp8_block", 256, 4096, 4096, jnp.bfloat16) == (128, 128, 2, 2)
+    assert ws.config("nvfp4", 130, 4096, 12288, jnp.bfloat16) == (144, 128, 2, 4, 2)
+    assert ws.config("nvfp4", 256, 4096, 4096, jnp.bfloat16) == (128, 128, 2, 2, 2)
+    assert ws.config("nvfp4", 512, 4096, 4096, jnp.bfloat16) == (128, 128, 2, 1, 2)
+    assert ws.config("mxfp8", 130, 4096, 4096, jnp.bfloat16) == (144, 64, 4, 4, 2)
+    assert ws.config("mxfp8", 130, 12288, 4096, jnp.bfloat16) == (144, 64, 4, 1, 2)    # 96 CTAs: no room for 2 splits
+    assert ws.config("mxfp8", 512, 12288, 4096, jnp.bfloat16) == (256, 64, 4, 1, 1)    # 192 CTAs fill the GPU
+    assert ws.config("fp8_block", 256, 4096, 4096, jnp.bfloat16) == (128, 128, 2, 2, 1)
     for fmt in ws.FORMATS:
         for m, n, k in ((96, 4096, 4096), (130, 4096, 12288), (256, 4096, 12288), (100, 2048, 4096)):
             c = ws.config(fmt, m, n, k, jnp.bfloat16)
             assert wd.NUM_SMS // 2 < ws.ctas(c, m, n) <= wd.NUM_SMS, (fmt, m, n, k, c)
+
+
+def test_prefill_ws_clusters_share_token_tiles():
+    """Pairs of CTAs along N share each token tile by multicast: NVFP4 on every grid, MXFP8 only
+    when the tokens are one tile, block FP8 never, and only where N has an even number of 128-row
+    blocks (one H200, RESULTS.md part 37)."""
+    from pallas_kernels.mxfp8 import prefill_ws as ws
+
+    for m in (96, 130, 256, 512, 2048):
+        assert ws.config("nvfp4", m, 4096, 4096, jnp.bfloat16).cluster == 2
+        assert ws.config("fp8_block", m, 12288, 4096, jnp.bfloat16).cluster == 1
+        assert ws.config("nvfp4", m, 384, 4096, jnp.bfloat16).cluster == 1          # 3 weight blocks
+        c = ws.config("mxfp8", m, 12288, 4096, jnp.bfloat16)
+        assert c.cluster == (2 if m <= c.bm else 1), (m, c)
 
 
 def test_small_grids_choose_the_engine_per_format():
