@@ -22,6 +22,7 @@ from kk_jax.quant import fp8_block as q  # noqa: E402
 from pallas_kernels import mma_gemv as mma_kernel  # noqa: E402
 from pallas_kernels.fp8_block import (gemv, matmul, matmul_kernel, matmul_reference, mma_gemv,  # noqa: E402
                                       quantize_activations)
+from pallas_kernels.fp8_block.act_quant import quantize as quantize_activations_padded  # noqa: E402
 
 
 def make(m, n, k, seed=0):
@@ -188,6 +189,37 @@ def test_compiled_prefill_bf16_output():
     x, wq, ws = make(1100, 2560, 640, seed=6)
     y = matmul(x, wq, ws, backend="pallas", out_dtype=jnp.bfloat16)
     assert orc.rel_err(y.astype(jnp.float32), oracle_w8a16(x, wq, ws)) < 1e-2
+
+
+def test_padded_activation_quantization_rejects_a_short_padding():
+    x = jnp.ones((100, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 64 and at least M=100"):
+        quantize_activations_padded(x, mp=96)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        quantize_activations_padded(x, mp=130)
+    with pytest.raises(ValueError, match="bfloat16 or float32, got float16"):
+        quantize_activations_padded(x.astype(jnp.float16), mp=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("m,k,mp", [(100, 300, 128), (130, 640, 256), (2048, 4096, 2048)])
+def test_compiled_activation_quantization_is_the_jnp_one(m, k, mp, dtype):
+    """The one-pass kernel that feeds the warp-specialized W8A8 form gives the jnp quantization
+    bit for bit (an all-zero group, values over six decades, K and M needing padding), xq = 0
+    and sx = 1 on the padded tokens and zeros in the padded columns."""
+    x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32)
+    x = (x * jnp.exp(jax.random.uniform(jax.random.PRNGKey(k), (m, 1), minval=-7, maxval=7))).astype(dtype)
+    x = x.at[1, :128].set(0)
+    xq, sxt = quantize_activations_padded(x, mp=mp)
+    rq, rs = quantize_activations(x)
+    kb = rs.shape[1]
+    assert xq.shape == (mp, kb * 128) and sxt.shape == (kb, mp)
+    f32 = lambda a: np.asarray(a.astype(jnp.float32))
+    np.testing.assert_array_equal(f32(xq[:m, :k]), f32(rq))
+    np.testing.assert_array_equal(np.asarray(sxt[:, :m]), np.asarray(rs.T))
+    assert not f32(xq[m:]).any() and not f32(xq[:, k:]).any()
+    np.testing.assert_array_equal(np.asarray(sxt[:, m:]), 1.0)
 
 
 @pytest.mark.gpu
