@@ -1,13 +1,23 @@
 """Warp-specialized prefill form of the block-FP8 W8A8 matmul (DeepGEMM's Hopper scheme with two
-math warpgroups): one CTA computes a 128-weight-row x ``bm``-token output tile with three
-warpgroups. One issues TMA loads of the [128, 128] e4m3 weight tile, the [bm, 128] e4m3
-activation tile and the tokens' [bm] fp32 activation scales through a ``stages``-deep ring; each
-of the other two runs an fp8 ``wgmma`` of its 64 weight rows into a fresh fp32 accumulator per
-128-wide K group and promotes it, ``acc += chunk * sx[token] * sw[block]``, while the other
-warpgroup's ``wgmma`` occupies the tensor cores. Same numerics as the one-warpgroup kernel in
-``kernel.py`` (same products, same promotion order): the two agree bit for bit.
+math warpgroups): one CTA computes a 128-token x 128-weight-row output tile with three
+warpgroups. One issues TMA loads of the [128, 128] e4m3 weight tile, the [128, 128] e4m3
+activation tile and the tokens' [128] fp32 activation scales through a 4-deep ring; each of the
+other two runs an fp8 ``wgmma`` of its 64 tokens (the M operand) against the 128 weight rows
+(N) into a fresh fp32 accumulator per 128-wide K group and promotes it, ``acc += chunk *
+sx[token] * sw[block]``, while the other warpgroup's ``wgmma`` occupies the tensor cores. Same
+numerics as the one-warpgroup kernel in ``kernel.py`` (same products, same promotion order): the
+two agree bit for bit.
 
-One H200 (RESULTS.md, 2026-11-30 part 13; activation quantization included): 785-856 TFLOP/s
+Tokens are the M operand because the promotion's scales then follow the accumulator's rows: a
+thread multiplies by 2 token scales a step instead of 32 (with weight rows as M, each thread
+held 32 token columns). One H200, kernel alone, same process (RESULTS.md part 39): 72.7 -> 65.0
+us at 2048x4096x4096 (1057 TFLOP/s), 209.1 -> 187.2 at 2048x12288x4096, 278.1 -> 250.2 at
+8192x4096x4096, 818.7 -> 739.6 at 8192x12288x4096 (1115 TFLOP/s), results bit-identical.
+256-token tiles (128 a warpgroup) ran at half the speed, 5 stages 2-4 % slower, and two K
+groups a step with their ``wgmma``s in flight together -2 to +2 %.
+
+The first form (weight rows as M; RESULTS.md, 2026-11-30 part 13; activation quantization
+included, one H200): 785-856 TFLOP/s
 at M = 2048 / 8192 on 4096x4096, 12288x4096 and 4096x12288, against 261-304 for the
 one-warpgroup kernel and 980-1344 for XLA's unscaled e4m3 dot. Bringing the activation scales
 through the TMA ring instead of a global load per K group gave ~20 %.
@@ -32,12 +42,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mxfp8 import wdequant as wd
-from pallas_kernels.mxfp8.prefill_ws import RB, store_wg_tile, tile_of, ws_call
+from pallas_kernels.mxfp8.prefill_ws import RB, tile_of, ws_call
 
-# per CTA: RB = 128 weight rows (one block row, two math warpgroups x 64) x BM tokens
-BM = 128                     # tokens per CTA; 64 and 192 measured slower (RESULTS.md part 13)
-STAGES = 4                   # 3-5 within ~5 % of each other
-COL = plgpu.Layout.WGMMA.reduce(0)
+# per CTA: RB = 128 weight rows (one block row) x BM tokens (two math warpgroups x 64)
+BM = 128                     # tokens per CTA; 256 measured at half the speed (RESULTS.md part 39)
+STAGES = 4                   # 5 measured 2-4 % slower; 6 does not fit in shared memory
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
@@ -50,26 +59,32 @@ def prefill_matmul(xq, sxt, w, sw, *, out_dtype):
         raise ValueError(f"operands not padded for the warp-specialized W8A8 form: M={m} N={n} K={k}")
     f8, f32 = jnp.float8_e4m3fn, jnp.float32
     cluster = 2 if n % (2 * RB) == 0 else 1          # pairs of weight blocks share the token tile
+    h = BM // 2                                      # tokens of a compute warpgroup
 
     def kernel(x_gmem, sx_gmem, w_gmem, sw_gmem, o_gmem, o_smem):
         nb, mb, _ = tile_of(n, m, BM, cluster)
 
         def compute_context(eval_pipeline):
-            acc = eval_pipeline(plgpu.layout_cast(jnp.zeros((64, BM), f32), wd.WGMMA))
-            store_wg_tile(acc, o_smem, o_gmem, BM, nb, mb)
+            acc = eval_pipeline(plgpu.layout_cast(jnp.zeros((h, RB), f32), wd.WGMMA))
+            wg = lax.axis_index("wg")
+            dst = o_smem.at[wg]
+            dst[...] = acc.astype(o_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dst, o_gmem.at[pl.ds(mb * BM + wg * h, h), pl.ds(nb * RB, RB)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         def body(idx, w_smem, x_smem, sx_smem, acc):
             (kk,) = idx
             wg = lax.axis_index("wg")
-            s = plgpu.load(sx_smem.at[0], layout=COL, optimized=False) * sw_gmem[nb, kk]
+            s = plgpu.load(sx_smem.at[0, pl.ds(wg * h, h)], (), layout=wd.ROW, optimized=False) * sw_gmem[nb, kk]
 
             def mma(chunk):
-                plgpu.wgmma(chunk, w_smem.at[pl.ds(wg * 64, 64)], x_smem.T)
+                plgpu.wgmma(chunk, x_smem.at[pl.ds(wg * h, h)], w_smem.T)
                 plgpu.wgmma_wait(0)
                 return chunk[...]
 
-            chunk = pl.run_scoped(mma, plgpu.ACC((64, BM), f32))
-            return acc + chunk * lax.broadcast_in_dim(s, (64, BM), [1])
+            chunk = pl.run_scoped(mma, plgpu.ACC((h, RB), f32))
+            return acc + chunk * lax.broadcast_in_dim(s, (h, RB), [0])
 
         plgpu.emit_pipeline_warp_specialized(
             body, grid=(k // 128,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
@@ -79,4 +94,4 @@ def prefill_matmul(xq, sxt, w, sw, *, out_dtype):
                                       collective_axes=("cl",) if cluster > 1 else ()),
                       plgpu.BlockSpec((1, BM), lambda kk: (kk, mb))])(w_gmem, x_gmem, sx_gmem)
 
-    return ws_call(kernel, m, n, BM, out_dtype, cluster)(xq, sxt, w, sw)
+    return ws_call(kernel, m, n, BM, out_dtype, cluster, wg_tile=(h, RB))(xq, sxt, w, sw)
