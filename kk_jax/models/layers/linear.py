@@ -412,11 +412,12 @@ def _check_tp_layout(method, n, k, axes, mesh, block) -> None:
 # ---------------------------------------------------------------------- the matmul
 # Row counts from which the weight-only (W8A16 / W4A16) layers dequantize the weight and run
 # XLA's bf16 dot instead of the Pallas dequantizing kernels; decode always runs the kernels.
-# Any format writing an fp32 output (a row-parallel shard's partial sum, a layer with a bias):
-# from 4096 rows. One H200, public matmul against the jnp twin with an fp32 result (RESULTS.md
-# part 37), NVFP4 / MXFP8 / block FP8 on 4096 x 4096 and on a tp = 4 down-projection shard
-# 4096 x 3072: the kernels 1.4-1.9x faster at M = 1024 and 1.07-1.38x at M = 2048, 0.69-0.89x
-# at M = 8192; M = 4096 was not measured and goes to XLA.
+# Layers writing an fp32 output (a row-parallel shard's partial sum, a layer with a bias): NVFP4
+# from 4096 rows, MXFP8 and block FP8 from 3072. One H200, public matmul against the jnp twin
+# with an fp32 result, NVFP4 / MXFP8 / block FP8 on 4096 x 4096 and on a tp = 4 down-projection
+# shard 4096 x 3072: the kernels 1.4-1.9x faster at M = 1024 and 1.07-1.38x at M = 2048, 0.69-0.89x
+# at M = 8192 (RESULTS.md part 37); at M = 3072 NVFP4 1.04x, MXFP8 and block FP8 0.79-0.81x;
+# at M = 4096 NVFP4 0.95-0.98x (part 39).
 # NVFP4 writing the layer's bf16 output runs the kernels at every row count: XLA's NVFP4
 # dequantization alone takes 60-200 us, and the kernel beat dequantize-then-dot from 96 to 8192
 # rows on the three shapes below, e.g. M = 8192 411 / 1185 / 1190 against 420 / 1302 / 1214 us
@@ -427,17 +428,17 @@ def _check_tp_layout(method, n, k, axes, mesh, block) -> None:
 # 4096 x 4096 / 12288 x 4096 / 4096 x 12288: M = 4096 190.5 / 564.2 / 548.3 against 215.1 /
 # 543.2 / 559.0 us, M = 8192 381.6 / 1134.2 / 1100.7 against 363.1 / 1016.7 / 1061.2 us (block
 # FP8 M = 8192 393.7 / 1178.5 / 1127.5 against 368.3 / 1056.0 / 1077.6).
-KERNEL_MAX_ROWS = 4096
-BF16_OUT_KERNEL_MAX_ROWS = 8192
+# (method, bf16 output) -> rows from which the layer's matmul runs on XLA (None: an unquantized
+# weight on the dense kernel)
+KERNEL_MAX_ROWS = {(None, True): 4096, (None, False): 4096,
+                   ("nvfp4", True): math.inf, ("nvfp4", False): 4096,
+                   ("mxfp8", True): 8192, ("mxfp8", False): 3072,
+                   ("fp8_block", True): 8192, ("fp8_block", False): 3072}
 
 
 def kernel_max_rows(method: str | None, out_dtype) -> float:
     """Rows from which a quantized layer's matmul runs on XLA (see above; inf: never)."""
-    if jnp.dtype(out_dtype) == jnp.bfloat16 and method == "nvfp4":
-        return math.inf
-    if method in ("mxfp8", "fp8_block") and jnp.dtype(out_dtype) == jnp.bfloat16:
-        return BF16_OUT_KERNEL_MAX_ROWS
-    return KERNEL_MAX_ROWS
+    return KERNEL_MAX_ROWS[method, jnp.dtype(out_dtype) == jnp.bfloat16]
 
 
 # Rows up to which unquantized linears on the pallas dense backend use the weight-streaming
