@@ -12,7 +12,7 @@
   what keeps Hopper's reduced-precision fp8 accumulation from drifting. Swapped like the
   W8A16 engine (accumulator ``[64 weight rows, bm tokens]``); decode-shaped calls split K.
   Prefill-shaped calls on the GPU use the warp-specialized form of the same scheme
-  (``w8a8_ws.py``, ~2.8x faster) on activations quantized by a one-pass kernel
+  (``w8a8_ws.py``, tokens as the ``wgmma`` M operand) on activations quantized by a one-pass kernel
   (``act_quant.py``, bit-identical to the jnp quantization).
 """
 
@@ -73,7 +73,7 @@ def matmul_kernel(x, w_q, w_scale_inv, *, block=DEFAULT_BLOCK, act_quant=False, 
 def _w8a8(x2, w_q, w_scale_inv, np_, out_dtype, interpret, **plan_overrides):
     """Prefill-shaped calls (more than 64 tokens) on the GPU without plan overrides quantize
     their activations in one pass (``act_quant``) and take the warp-specialized form
-    (``w8a8_ws``; as many CTAs as this module's prefill tiles, each ~2.8x as fast); the rest
+    (``w8a8_ws``, 128- or 192-token tiles as ``w8a8_ws.warpgroups`` picks); the rest
     quantize in jnp and run this module's kernel (same numerics)."""
     m, k = x2.shape
     n = w_q.shape[0]
@@ -81,10 +81,11 @@ def _w8a8(x2, w_q, w_scale_inv, np_, out_dtype, interpret, **plan_overrides):
     if plan_overrides.get("tk", 128) != 128:
         raise ValueError(f"the W8A8 kernel steps through K in 128-wide groups, got tk={plan_overrides['tk']}")
     if m > 64 and not interpret and not plan_overrides:
-        m_ws, n_ws = wd.round_up(m, w8a8_ws.BM), wd.round_up(n, w8a8_ws.RB)
+        wgs = w8a8_ws.warpgroups(m)
+        m_ws, n_ws = wd.round_up(m, 64 * wgs), wd.round_up(n, w8a8_ws.RB)
         xq, sxt = quantize_activations_padded(x2, mp=m_ws)                # [m_ws, Kp] e4m3, [Kb, m_ws]
         y = w8a8_ws.prefill_matmul(xq, sxt, wd.pad_cols(wd.pad_rows(w_q, n_ws), kp), w_scale_inv,
-                                   out_dtype=out_dtype)
+                                   out_dtype=out_dtype, wgs=wgs)
         return y[:m, :n]
     xq, sx = quantize_activations(x2)                                    # [M, K] e4m3, [M, Kb]
     p = wd.plan(m, np_, kp, "fp8_w8a8", **{k_: v for k_, v in plan_overrides.items() if k_ != "tk"})

@@ -1,16 +1,22 @@
-"""Warp-specialized prefill form of the block-FP8 W8A8 matmul (DeepGEMM's Hopper scheme with two
-math warpgroups): one CTA computes a 128-token x 128-weight-row output tile with three
-warpgroups. One issues TMA loads of the [128, 128] e4m3 weight tile, the [128, 128] e4m3
-activation tile and the tokens' [128] fp32 activation scales through a 4-deep ring; each of the
-other two runs an fp8 ``wgmma`` of its 64 tokens (the M operand) against the 128 weight rows
-(N) into a fresh fp32 accumulator per 128-wide K group and promotes it, ``acc += chunk *
-sx[token] * sw[block]``, while the other warpgroup's ``wgmma`` occupies the tensor cores. Same
+"""Warp-specialized prefill form of the block-FP8 W8A8 matmul (DeepGEMM's Hopper scheme): one
+CTA computes a (64 * wgs)-token x 128-weight-row output tile with wgs = 2 or 3 math warpgroups
+and one TMA warpgroup. The TMA warpgroup loads the [128, 128] e4m3 weight tile, the [64 * wgs,
+128] e4m3 activation tile and the tokens' fp32 activation scales through a 4-deep ring; each
+math warpgroup runs an fp8 ``wgmma`` of its 64 tokens (the M operand) against the 128 weight
+rows (N) into a fresh fp32 accumulator per 128-wide K group and promotes it, ``acc += chunk *
+sx[token] * sw[block]``, while the other warpgroups' ``wgmma``s occupy the tensor cores. Same
 numerics as the one-warpgroup kernel in ``kernel.py`` (same products, same promotion order): the
 two agree bit for bit.
 
+Three math warpgroups keep the tensor cores busier through the promotions (each waits for its
+own ``wgmma`` before promoting) and read each weight tile for 192 tokens: one H200, kernel alone
+(RESULTS.md part 39), 2304x4096x4096 80.4 -> 63.5 us (1217 TFLOP/s), 8064x12288x4096 722.9 ->
+632.4 (1284 TFLOP/s), results bit-identical. Their 192-token tiles pad M more than 128-token
+ones, so small calls may keep two (``warpgroups``).
+
 Tokens are the M operand because the promotion's scales then follow the accumulator's rows: a
 thread multiplies by 2 token scales a step instead of 32 (with weight rows as M, each thread
-held 32 token columns). One H200, kernel alone, same process (RESULTS.md part 39): 72.7 -> 65.0
+held 32 token columns). One H200, kernel alone, two math warpgroups (part 39): 72.7 -> 65.0
 us at 2048x4096x4096 (1057 TFLOP/s), 209.1 -> 187.2 at 2048x12288x4096, 278.1 -> 250.2 at
 8192x4096x4096, 818.7 -> 739.6 at 8192x12288x4096 (1115 TFLOP/s), results bit-identical.
 256-token tiles (128 a warpgroup) ran at half the speed, 5 stages 2-4 % slower, and two K
@@ -44,25 +50,32 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.mxfp8 import wdequant as wd
 from pallas_kernels.mxfp8.prefill_ws import RB, tile_of, ws_call
 
-# per CTA: RB = 128 weight rows (one block row) x BM tokens (two math warpgroups x 64)
-BM = 128                     # tokens per CTA; 256 measured at half the speed (RESULTS.md part 39)
-STAGES = 4                   # 5 measured 2-4 % slower; 6 does not fit in shared memory
+# per CTA: RB = 128 weight rows (one block row) x 64 tokens per math warpgroup (2 or 3 of them)
+STAGES = 4                   # 5 measured 2-4 % slower with two warpgroups
+THREE_WG_SPEEDUP = 1.14      # the least gain of 3 warpgroups over 2 at equal work (part 39)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype",))
-def prefill_matmul(xq, sxt, w, sw, *, out_dtype):
-    """xq [M, K] e4m3 (M a multiple of 128), sxt [K/128, M] fp32 (per token and K group),
-    w [N, K] e4m3 (N a multiple of 128, K of 128), sw [N/128, K/128] fp32 -> [M, N] out_dtype."""
+def warpgroups(m: int) -> int:
+    """Math warpgroups of the CTAs for M tokens: 3 (192-token tiles) unless their padding costs
+    more than they gain over 2 (128-token tiles)."""
+    return 3 if wd.round_up(m, 192) < THREE_WG_SPEEDUP * wd.round_up(m, 128) else 2
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "wgs"))
+def prefill_matmul(xq, sxt, w, sw, *, out_dtype, wgs: int):
+    """xq [M, K] e4m3 (M a multiple of 64 * wgs), sxt [K/128, M] fp32 (per token and K group),
+    w [N, K] e4m3 (N a multiple of 128, K of 128), sw [N/128, K/128] fp32 -> [M, N] out_dtype;
+    ``wgs`` math warpgroups of 64 tokens each per CTA."""
     m, k = xq.shape
     n = w.shape[0]
-    if m % BM or n % RB or k % 128:
+    bm, h = 64 * wgs, 64                             # tokens of a CTA, of a math warpgroup
+    if m % bm or n % RB or k % 128:
         raise ValueError(f"operands not padded for the warp-specialized W8A8 form: M={m} N={n} K={k}")
     f8, f32 = jnp.float8_e4m3fn, jnp.float32
     cluster = 2 if n % (2 * RB) == 0 else 1          # pairs of weight blocks share the token tile
-    h = BM // 2                                      # tokens of a compute warpgroup
 
     def kernel(x_gmem, sx_gmem, w_gmem, sw_gmem, o_gmem, o_smem):
-        nb, mb, _ = tile_of(n, m, BM, cluster)
+        nb, mb, _ = tile_of(n, m, bm, cluster)
 
         def compute_context(eval_pipeline):
             acc = eval_pipeline(plgpu.layout_cast(jnp.zeros((h, RB), f32), wd.WGMMA))
@@ -70,7 +83,7 @@ def prefill_matmul(xq, sxt, w, sw, *, out_dtype):
             dst = o_smem.at[wg]
             dst[...] = acc.astype(o_smem.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(dst, o_gmem.at[pl.ds(mb * BM + wg * h, h), pl.ds(nb * RB, RB)])
+            plgpu.copy_smem_to_gmem(dst, o_gmem.at[pl.ds(mb * bm + wg * h, h), pl.ds(nb * RB, RB)])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         def body(idx, w_smem, x_smem, sx_smem, acc):
@@ -87,11 +100,11 @@ def prefill_matmul(xq, sxt, w, sw, *, out_dtype):
             return acc + chunk * lax.broadcast_in_dim(s, (h, RB), [0])
 
         plgpu.emit_pipeline_warp_specialized(
-            body, grid=(k // 128,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            body, grid=(k // 128,), memory_registers=40, wg_axis="wg", num_compute_wgs=wgs,
             max_concurrent_steps=STAGES, compute_context=compute_context,
             in_specs=[plgpu.BlockSpec((RB, 128), lambda kk: (nb, kk), transforms=wd.smem_tile(f8, 128)),
-                      plgpu.BlockSpec((BM, 128), lambda kk: (mb, kk), transforms=wd.smem_tile(f8, 128),
+                      plgpu.BlockSpec((bm, 128), lambda kk: (mb, kk), transforms=wd.smem_tile(f8, 128),
                                       collective_axes=("cl",) if cluster > 1 else ()),
-                      plgpu.BlockSpec((1, BM), lambda kk: (kk, mb))])(w_gmem, x_gmem, sx_gmem)
+                      plgpu.BlockSpec((1, bm), lambda kk: (kk, mb))])(w_gmem, x_gmem, sx_gmem)
 
-    return ws_call(kernel, m, n, BM, out_dtype, cluster, wg_tile=(h, RB))(xq, sxt, w, sw)
+    return ws_call(kernel, m, n, bm, out_dtype, cluster, wg_tile=(h, RB), compute_wgs=wgs)(xq, sxt, w, sw)

@@ -206,20 +206,22 @@ def store_wg_tile(acc, o_smem, o_gmem, bm: int, nb, mb) -> None:
 
 
 def ws_call(kernel, m: int, n: int, bm: int, out_dtype, cluster: int = 1, splits: int = 1,
-            wg_tile: tuple[int, int] | None = None):
+            wg_tile: tuple[int, int] | None = None, compute_wgs: int = 2):
     """The launch shared by the warp-specialized forms: one CTA per output tile of 128 weight
     rows x bm tokens and K split, in clusters of ``cluster`` CTAs "cl" along N, in `tile_of`'s
-    order (grid "t"), three warpgroups "wg" (two compute, one TMA), an [M, N] output ([splits,
-    M, N] fp32 partials when K is split) and the compute warpgroups' output tiles as [2, *wg_tile]
-    scratch (default [2, bm, 64]: each warpgroup's 64 weight rows of the bm tokens)."""
+    order (grid "t"), ``compute_wgs`` compute warpgroups "wg" and one TMA warpgroup, an [M, N]
+    output ([splits, M, N] fp32 partials when K is split) and the compute warpgroups' output
+    tiles as [compute_wgs, *wg_tile] scratch (default [2, bm, 64]: each warpgroup's 64 weight
+    rows of the bm tokens)."""
     out_dtype = jnp.dtype(jnp.float32 if splits > 1 else out_dtype)
     out_shape = (splits, m, n) if splits > 1 else (m, n)
     rows, cols = wg_tile or (bm, 64)
     clusters = dict(cluster=(cluster,), cluster_names=("cl",)) if cluster > 1 else {}
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-        scratch_types=(plgpu.SMEM((2, rows, cols), out_dtype, transforms=wd.smem_tile(out_dtype, cols)),),
-        grid=(splits * (n // RB // cluster) * (m // bm),), grid_names=("t",), num_threads=3, thread_name="wg",
+        scratch_types=(plgpu.SMEM((compute_wgs, rows, cols), out_dtype, transforms=wd.smem_tile(out_dtype, cols)),),
+        grid=(splits * (n // RB // cluster) * (m // bm),), grid_names=("t",), num_threads=compute_wgs + 1,
+        thread_name="wg",
         **clusters,
         compiler_params=plgpu.CompilerParams(approx_math=True))
 

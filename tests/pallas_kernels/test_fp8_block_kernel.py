@@ -21,7 +21,7 @@ import quant_oracle as orc  # noqa: E402
 from kk_jax.quant import fp8_block as q  # noqa: E402
 from pallas_kernels import mma_gemv as mma_kernel  # noqa: E402
 from pallas_kernels.fp8_block import (gemv, matmul, matmul_kernel, matmul_reference, mma_gemv,  # noqa: E402
-                                      quantize_activations)
+                                      quantize_activations, w8a8_ws)
 from pallas_kernels.fp8_block.act_quant import quantize as quantize_activations_padded  # noqa: E402
 
 
@@ -224,13 +224,15 @@ def test_compiled_activation_quantization_is_the_jnp_one(m, k, mp, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("m,n,k", [(300, 320, 640), (300, 320, 600), (2200, 512, 256)])
+@pytest.mark.parametrize("m,n,k", [(300, 320, 640), (300, 320, 600), (2200, 512, 256), (100, 320, 640)])
 def test_compiled_w8a8_prefill_forms_agree_bitwise(out_dtype, m, n, k):
     """The warp-specialized W8A8 prefill form (default for M > 64) and the one-warpgroup kernel (a
     plan override selects it) compute the same products in the same promotion order; N = 320,
-    M = 300 and K = 600 exercise the padding to 128-row blocks, 128-token tiles and 128-wide K
-    groups (3 weight blocks: no cluster); 2200 x 512: 2-CTA clusters and a last launch group of 2
-    token tiles (``prefill_ws.tile_of``)."""
+    M = 300 and K = 600 exercise the padding to 128-row blocks, 192-token tiles (3 math
+    warpgroups) and 128-wide K groups (3 weight blocks: no cluster); M = 100: 128-token tiles (2
+    math warpgroups); 2200 x 512: 2-CTA clusters and a last launch group of 2 token tiles
+    (``prefill_ws.tile_of``)."""
+    assert [w8a8_ws.warpgroups(r) for r in (300, 2200, 100)] == [3, 3, 2]
     x, wq, ws = make(m, n, k, seed=7)
     y_ws = matmul(x, wq, ws, act_quant=True, backend="pallas", out_dtype=out_dtype)
     y_one = matmul_kernel(x, wq, ws, act_quant=True, out_dtype=out_dtype, stages=2)
