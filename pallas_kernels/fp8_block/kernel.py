@@ -81,11 +81,13 @@ def _w8a8(x2, w_q, w_scale_inv, np_, out_dtype, interpret, **plan_overrides):
     if plan_overrides.get("tk", 128) != 128:
         raise ValueError(f"the W8A8 kernel steps through K in 128-wide groups, got tk={plan_overrides['tk']}")
     if m > 64 and not interpret and not plan_overrides:
-        wgs = w8a8_ws.warpgroups(m)
+        wgs = w8a8_ws.warpgroups(m, n)
         m_ws, n_ws = wd.round_up(m, 64 * wgs), wd.round_up(n, w8a8_ws.RB)
         xq, sxt = quantize_activations_padded(x2, mp=m_ws)                # [m_ws, Kp] e4m3, [Kb, m_ws]
+        # stores past the output's edge are dropped, but its tiled TMA view takes whole 8-row and
+        # 64-column tiles: only M not a multiple of 8 (or N of 64) leaves padding to slice off
         y = w8a8_ws.prefill_matmul(xq, sxt, wd.pad_cols(wd.pad_rows(w_q, n_ws), kp), w_scale_inv,
-                                   out_dtype=out_dtype, wgs=wgs)
+                                   out_dtype=out_dtype, wgs=wgs, out_mn=(wd.round_up(m, 8), wd.round_up(n, 64)))
         return y[:m, :n]
     xq, sx = quantize_activations(x2)                                    # [M, K] e4m3, [M, Kb]
     p = wd.plan(m, np_, kp, "fp8_w8a8", **{k_: v for k_, v in plan_overrides.items() if k_ != "tk"})

@@ -47,25 +47,41 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.common import SMEM_PER_CTA
 from pallas_kernels.mxfp8 import wdequant as wd
 from pallas_kernels.mxfp8.prefill_ws import RB, tile_of, ws_call
 
 # per CTA: RB = 128 weight rows (one block row) x 64 tokens per math warpgroup (2 or 3 of them)
-STAGES = 4                   # 5 measured 2-4 % slower with two warpgroups
-THREE_WG_SPEEDUP = 1.14      # the least gain of 3 warpgroups over 2 at equal work (part 39)
+MAX_STAGES = 4               # 5 measured 2-4 % slower with two warpgroups
+THREE_WG_SPEEDUP = 1.14      # the least gain of 3 warpgroups over 2 per token (part 39)
 
 
-def warpgroups(m: int) -> int:
-    """Math warpgroups of the CTAs for M tokens: 3 (192-token tiles) unless their padding costs
-    more than they gain over 2 (128-token tiles)."""
-    return 3 if wd.round_up(m, 192) < THREE_WG_SPEEDUP * wd.round_up(m, 128) else 2
+def warpgroups(m: int, n: int) -> int:
+    """Math warpgroups of the CTAs for M tokens and N weight rows: the count whose grid takes
+    the fewer CTA-times, counted in whole waves of ``NUM_SMS`` CTAs, a 192-token tile taking
+    1.5 / ``THREE_WG_SPEEDUP`` as long as a 128-token one."""
+    def cost(wgs):
+        bm = 64 * wgs
+        waves = wd.ceil_div(wd.ceil_div(m, bm) * wd.ceil_div(n, RB), wd.NUM_SMS)
+        return waves * (bm / THREE_WG_SPEEDUP if wgs == 3 else bm)
+    return 3 if cost(3) < cost(2) else 2
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "wgs"))
-def prefill_matmul(xq, sxt, w, sw, *, out_dtype, wgs: int):
+def stages(wgs: int, out_dtype) -> int:
+    """Depth of the TMA ring: ``MAX_STAGES``, or as many as fit in shared memory beside the output
+    tiles (3 for three warpgroups with an fp32 output)."""
+    bm = 64 * wgs
+    step = RB * 128 + bm * 128 + bm * 4                        # e4m3 weight and token tiles, fp32 scales
+    out = wgs * 64 * RB * jnp.dtype(out_dtype).itemsize
+    return min(MAX_STAGES, (SMEM_PER_CTA - out - 1024) // step)   # 1 KiB for the ring's barriers
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "wgs", "out_mn"))
+def prefill_matmul(xq, sxt, w, sw, *, out_dtype, wgs: int, out_mn: tuple[int, int] | None = None):
     """xq [M, K] e4m3 (M a multiple of 64 * wgs), sxt [K/128, M] fp32 (per token and K group),
-    w [N, K] e4m3 (N a multiple of 128, K of 128), sw [N/128, K/128] fp32 -> [M, N] out_dtype;
-    ``wgs`` math warpgroups of 64 tokens each per CTA."""
+    w [N, K] e4m3 (N a multiple of 128, K of 128), sw [N/128, K/128] fp32 -> [M, N] out_dtype,
+    or the leading [M', N'] = ``out_mn`` of it (the padding's stores dropped); ``wgs`` math
+    warpgroups of 64 tokens each per CTA."""
     m, k = xq.shape
     n = w.shape[0]
     bm, h = 64 * wgs, 64                             # tokens of a CTA, of a math warpgroup
@@ -101,10 +117,11 @@ def prefill_matmul(xq, sxt, w, sw, *, out_dtype, wgs: int):
 
         plgpu.emit_pipeline_warp_specialized(
             body, grid=(k // 128,), memory_registers=40, wg_axis="wg", num_compute_wgs=wgs,
-            max_concurrent_steps=STAGES, compute_context=compute_context,
+            max_concurrent_steps=stages(wgs, out_dtype), compute_context=compute_context,
             in_specs=[plgpu.BlockSpec((RB, 128), lambda kk: (nb, kk), transforms=wd.smem_tile(f8, 128)),
                       plgpu.BlockSpec((bm, 128), lambda kk: (mb, kk), transforms=wd.smem_tile(f8, 128),
                                       collective_axes=("cl",) if cluster > 1 else ()),
                       plgpu.BlockSpec((1, bm), lambda kk: (kk, mb))])(w_gmem, x_gmem, sx_gmem)
 
-    return ws_call(kernel, m, n, bm, out_dtype, cluster, wg_tile=(h, RB), compute_wgs=wgs)(xq, sxt, w, sw)
+    return ws_call(kernel, m, n, bm, out_dtype, cluster, wg_tile=(h, RB), compute_wgs=wgs,
+                   out_mn=out_mn)(xq, sxt, w, sw)

@@ -206,15 +206,18 @@ def store_wg_tile(acc, o_smem, o_gmem, bm: int, nb, mb) -> None:
 
 
 def ws_call(kernel, m: int, n: int, bm: int, out_dtype, cluster: int = 1, splits: int = 1,
-            wg_tile: tuple[int, int] | None = None, compute_wgs: int = 2):
+            wg_tile: tuple[int, int] | None = None, compute_wgs: int = 2,
+            out_mn: tuple[int, int] | None = None):
     """The launch shared by the warp-specialized forms: one CTA per output tile of 128 weight
     rows x bm tokens and K split, in clusters of ``cluster`` CTAs "cl" along N, in `tile_of`'s
     order (grid "t"), ``compute_wgs`` compute warpgroups "wg" and one TMA warpgroup, an [M, N]
     output ([splits, M, N] fp32 partials when K is split) and the compute warpgroups' output
     tiles as [compute_wgs, *wg_tile] scratch (default [2, bm, 64]: each warpgroup's 64 weight
-    rows of the bm tokens)."""
+    rows of the bm tokens). ``out_mn``: a smaller [M', N'] output (M' a multiple of 8, N' of the
+    output tile's columns; no K split), whose tiles' stores past its edge TMA drops, which spares
+    the caller a copy that slices off the padding."""
     out_dtype = jnp.dtype(jnp.float32 if splits > 1 else out_dtype)
-    out_shape = (splits, m, n) if splits > 1 else (m, n)
+    out_shape = (splits, m, n) if splits > 1 else (out_mn or (m, n))
     rows, cols = wg_tile or (bm, 64)
     clusters = dict(cluster=(cluster,), cluster_names=("cl",)) if cluster > 1 else {}
     return plgpu.kernel(

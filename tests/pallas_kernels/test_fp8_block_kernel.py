@@ -222,17 +222,29 @@ def test_compiled_activation_quantization_is_the_jnp_one(m, k, mp, dtype):
     np.testing.assert_array_equal(np.asarray(sxt[:, m:]), 1.0)
 
 
+def test_w8a8_tiles_follow_the_measured_waves():
+    """192-token tiles (3 math warpgroups) where their grid's waves take less time, 128-token ones
+    where padding or a short last wave costs more (one H200, kernel alone, RESULTS.md part 40:
+    2 faster at 100-1000 tokens on 4096 and 12288 rows, 3 at 2048); the ring holds 4 steps
+    except with three fp32 output tiles."""
+    picks = {(m, n): w8a8_ws.warpgroups(m, n) for m in (100, 256, 1000, 2048, 8192) for n in (4096, 12288)}
+    assert picks == {(100, 4096): 2, (256, 4096): 2, (1000, 4096): 2, (2048, 4096): 3, (8192, 4096): 3,
+                     (100, 12288): 2, (256, 12288): 2, (1000, 12288): 2, (2048, 12288): 3, (8192, 12288): 3}
+    assert [w8a8_ws.stages(w, d) for w in (2, 3) for d in (jnp.bfloat16, jnp.float32)] == [4, 4, 4, 3]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("wgs", [2, 3])
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("m,n,k", [(300, 320, 640), (300, 320, 600), (2200, 512, 256), (100, 320, 640)])
-def test_compiled_w8a8_prefill_forms_agree_bitwise(out_dtype, m, n, k):
-    """The warp-specialized W8A8 prefill form (default for M > 64) and the one-warpgroup kernel (a
-    plan override selects it) compute the same products in the same promotion order; N = 320,
-    M = 300 and K = 600 exercise the padding to 128-row blocks, 192-token tiles (3 math
-    warpgroups) and 128-wide K groups (3 weight blocks: no cluster); M = 100: 128-token tiles (2
-    math warpgroups); 2200 x 512: 2-CTA clusters and a last launch group of 2 token tiles
+@pytest.mark.parametrize("m,n,k", [(300, 320, 640), (300, 320, 600), (2200, 512, 256)])
+def test_compiled_w8a8_prefill_forms_agree_bitwise(out_dtype, m, n, k, wgs, monkeypatch):
+    """The warp-specialized W8A8 prefill form (default for M > 64), with 2 or 3 math warpgroups,
+    and the one-warpgroup kernel (a plan override selects it) compute the same products in the
+    same promotion order; N = 320, M = 300 and K = 600 exercise the padding to 128-row blocks,
+    token tiles and 128-wide K groups (3 weight blocks: no cluster), whose stores past [M, N]
+    are dropped; 2200 x 512: 2-CTA clusters and a shorter last launch group of token tiles
     (``prefill_ws.tile_of``)."""
-    assert [w8a8_ws.warpgroups(r) for r in (300, 2200, 100)] == [3, 3, 2]
+    monkeypatch.setattr(w8a8_ws, "warpgroups", lambda m_, n_: wgs)
     x, wq, ws = make(m, n, k, seed=7)
     y_ws = matmul(x, wq, ws, act_quant=True, backend="pallas", out_dtype=out_dtype)
     y_one = matmul_kernel(x, wq, ws, act_quant=True, out_dtype=out_dtype, stages=2)
