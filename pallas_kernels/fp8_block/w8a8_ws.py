@@ -17,9 +17,9 @@ us at 2048x4096x4096 (1057 TFLOP/s), 209.1 -> 187.2 at 2048x12288x4096, 278.1 ->
 groups a step with their ``wgmma``s in flight together -2 to +2 %.
 
 The first form (weight rows as M; RESULTS.md, 2026-11-30 part 13; activation quantization
-included, one H200): 785-856 TFLOP/s
-at M = 2048 / 8192 on 4096x4096, 12288x4096 and 4096x12288, against 261-304 for the
-one-warpgroup kernel and 980-1344 for XLA's unscaled e4m3 dot. Bringing the activation scales
+included, one H200): 785-856 TFLOP/s at M = 2048 / 8192 on 4096x4096, 12288x4096 and
+4096x12288, against 261-304 for the one-warpgroup kernel and 980-1344 for XLA's unscaled e4m3
+dot. Bringing the activation scales
 through the TMA ring instead of a global load per K group gave ~20 %.
 
 CTAs run in pairs along N (a 2-CTA cluster where N has an even number of 128-row blocks) that
