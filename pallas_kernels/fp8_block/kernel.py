@@ -12,8 +12,8 @@
   what keeps Hopper's reduced-precision fp8 accumulation from drifting. Swapped like the
   W8A16 engine (accumulator ``[64 weight rows, bm tokens]``); decode-shaped calls split K.
   Prefill-shaped calls on the GPU use the warp-specialized form of the same scheme
-  (``w8a8_ws.py``, tokens as the ``wgmma`` M operand) on activations quantized by a one-pass kernel
-  (``act_quant.py``, bit-identical to the jnp quantization).
+  (``w8a8_ws.py``, tokens as the ``wgmma`` M operand) on activations quantized by a one-pass
+  kernel (``act_quant.py``, bit-identical to the jnp quantization).
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def matmul_kernel(x, w_q, w_scale_inv, *, block=DEFAULT_BLOCK, act_quant=False, 
 def _w8a8(x2, w_q, w_scale_inv, np_, out_dtype, interpret, **plan_overrides):
     """Prefill-shaped calls (more than 64 tokens) on the GPU without plan overrides quantize
     their activations in one pass (``act_quant``) and take the warp-specialized form
-    (``w8a8_ws``, 128- or 192-token tiles as ``w8a8_ws.warpgroups`` picks); the rest
-    quantize in jnp and run this module's kernel (same numerics)."""
+    (``w8a8_ws``, 128- or 192-token tiles as ``w8a8_ws.warpgroups`` picks); the rest quantize
+    in jnp and run this module's kernel (same numerics)."""
     m, k = x2.shape
     n = w_q.shape[0]
     kp = wd.round_up(k, 128)

@@ -1,7 +1,7 @@
 """Warp-specialized prefill form of the block-FP8 W8A8 matmul (DeepGEMM's Hopper scheme): one
 CTA computes a (64 * wgs)-token x 128-weight-row output tile with wgs = 2 or 3 math warpgroups
 and one TMA warpgroup. The TMA warpgroup loads the [128, 128] e4m3 weight tile, the [64 * wgs,
-128] e4m3 activation tile and the tokens' fp32 activation scales through a 4-deep ring; each
+128] e4m3 activation tile and the tokens' fp32 activation scales through a ring; each
 math warpgroup runs an fp8 ``wgmma`` of its 64 tokens (the M operand) against the 128 weight
 rows (N) into a fresh fp32 accumulator per 128-wide K group and promotes it, ``acc += chunk *
 sx[token] * sw[block]``, while the other warpgroups' ``wgmma``s occupy the tensor cores. Same
@@ -9,10 +9,21 @@ numerics as the one-warpgroup kernel in ``kernel.py`` (same products, same promo
 two agree bit for bit.
 
 Three math warpgroups keep the tensor cores busier through the promotions (each waits for its
-own ``wgmma`` before promoting) and read each weight tile for 192 tokens: one H200, kernel alone
-(RESULTS.md part 39), 2304x4096x4096 80.4 -> 63.5 us (1217 TFLOP/s), 8064x12288x4096 722.9 ->
-632.4 (1284 TFLOP/s), results bit-identical. Their 192-token tiles pad M more than 128-token
-ones, so small calls may keep two (``warpgroups``).
+own ``wgmma`` before promoting) and read each weight tile for 192 tokens. Their tiles pad M more
+and make fewer, longer CTAs, so ``warpgroups`` counts the waves of both grids. One H200, kernel
+alone, 2 against 3 warpgroups, results bit-identical (RESULTS.md part 40), µs:
+
+  4096x4096 weight:  1000 / 1536 / 2048 / 4096 tokens  33.8 / 50.4 / 64.7 / 125.9
+                                                    -> 40.3 / 42.4 / 61.2 / 120.5
+  12288x4096 weight: 1000 / 1536 / 2048 / 4096 tokens  97.3 / 142.1 / 185.8 / 367.6
+                                                    -> 99.3 / 121.4 / 166.1 / 329.8
+
+(100 and 256 tokens: 2 faster by 10-17 %). With an fp32 output three warpgroups' tiles leave
+room for a 3-deep ring only (``stages``): 2048 / 3072 tokens 68.7 / 102.2 -> 68.5 / 91.6.
+
+The output is the caller's [M, N] (rounded to whole 8 x 64 tiles) and the padded tiles' stores
+past it are dropped: slicing a 2112-token output to 2048 had cost a copy of it (public matmul at
+2048x4096x4096: 72.1 us with the slice, 63.4 without).
 
 Tokens are the M operand because the promotion's scales then follow the accumulator's rows: a
 thread multiplies by 2 token scales a step instead of 32 (with weight rows as M, each thread
@@ -23,9 +34,9 @@ us at 2048x4096x4096 (1057 TFLOP/s), 209.1 -> 187.2 at 2048x12288x4096, 278.1 ->
 groups a step with their ``wgmma``s in flight together -2 to +2 %.
 
 The first form (weight rows as M; RESULTS.md, 2026-11-30 part 13; activation quantization
-included, one H200): 785-856 TFLOP/s
-at M = 2048 / 8192 on 4096x4096, 12288x4096 and 4096x12288, against 261-304 for the
-one-warpgroup kernel and 980-1344 for XLA's unscaled e4m3 dot. Bringing the activation scales
+included, one H200): 785-856 TFLOP/s at M = 2048 / 8192 on 4096x4096, 12288x4096 and
+4096x12288, against 261-304 for the one-warpgroup kernel and 980-1344 for XLA's unscaled e4m3
+dot. Bringing the activation scales
 through the TMA ring instead of a global load per K group gave ~20 %.
 
 CTAs run in pairs along N (a 2-CTA cluster where N has an even number of 128-row blocks) that

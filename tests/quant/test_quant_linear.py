@@ -340,7 +340,8 @@ def test_bf16_layer_takes_its_output_from_the_kernel(monkeypatch, method):
     """A bf16 layer without a bias asks the kernel for its bf16 output (one rounding of the fp32
     accumulator, as the cast of an fp32 result); with a bias it keeps the fp32 output. Such bf16
     MXFP8 / block-FP8 calls stay on the kernel (its warp-specialized prefill form on a GPU) below
-    8192 rows (bf16 NVFP4 at every row count); fp32 outputs go to XLA's dot from 4096."""
+    8192 rows (bf16 NVFP4 at every row count); fp32 outputs go to XLA's dot from 3072 (NVFP4
+    from 4096)."""
     import kk_jax.models.layers.linear as linear_mod
 
     seen = []
