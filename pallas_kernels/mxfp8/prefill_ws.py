@@ -214,10 +214,11 @@ def ws_call(kernel, m: int, n: int, bm: int, out_dtype, cluster: int = 1, splits
     output ([splits, M, N] fp32 partials when K is split) and the compute warpgroups' output
     tiles as [compute_wgs, *wg_tile] scratch (default [2, bm, 64]: each warpgroup's 64 weight
     rows of the bm tokens). ``out_mn``: a smaller [M', N'] output (M' a multiple of 8, N' of the
-    output tile's columns; no K split), whose tiles' stores past its edge TMA drops, which spares
-    the caller a copy that slices off the padding."""
+    output tile's columns), whose tiles' stores past its edge TMA drops, which spares the caller
+    a copy that slices off the padding."""
     out_dtype = jnp.dtype(jnp.float32 if splits > 1 else out_dtype)
-    out_shape = (splits, m, n) if splits > 1 else (out_mn or (m, n))
+    out_mn = out_mn or (m, n)
+    out_shape = (splits, *out_mn) if splits > 1 else out_mn
     rows, cols = wg_tile or (bm, 64)
     clusters = dict(cluster=(cluster,), cluster_names=("cl",)) if cluster > 1 else {}
     return plgpu.kernel(
@@ -231,7 +232,8 @@ def ws_call(kernel, m: int, n: int, bm: int, out_dtype, cluster: int = 1, splits
 
 @functools.partial(jax.jit, static_argnames=("fmt", "c", "out_dtype"))
 def prefill_matmul(x, w, scales, *, fmt: str, c: Config, out_dtype):
-    """x [M, K] bf16 (M a multiple of c.bm), w [N, K] e4m3 or [N, K/2] NVFP4 codes (N a multiple
+    """x [M, K] bf16 (M a multiple of 8; the last token tile's rows past M read as zeros and its
+    stores past them are dropped), w [N, K] e4m3 or [N, K/2] NVFP4 codes (N a multiple
     of 128), scales: mxfp8 ([K/32, N] uint8 transposed E8M0,), fp8_block ([N/128, K/128] fp32,),
     nvfp4 ([K/16, N] e4m3 transposed, weight_scale_2 f32 [1]) -> [M, N] out_dtype, or [splits,
     M, N] fp32 partials when c.splits > 1. NVFP4 takes x in the engine's K order
@@ -240,7 +242,8 @@ def prefill_matmul(x, w, scales, *, fmt: str, c: Config, out_dtype):
     n = w.shape[0]
     bm, tk, stages, splits, cluster = c
     nk = k // tk // splits                   # K steps of one split
-    if m % bm or n % (RB * cluster) or k % (tk * splits):
+    mt = wd.round_up(m, bm)                  # tokens of the grid's tiles
+    if m % 8 or n % (RB * cluster) or k % (tk * splits):
         raise ValueError(f"operands not padded for the warp-specialized form: M={m} N={n} K={k} {c}")
     bf16 = jnp.bfloat16
     w_cols = tk // (2 if fmt == "nvfp4" else 1)     # weight tile bytes a row and step
@@ -258,7 +261,7 @@ def prefill_matmul(x, w, scales, *, fmt: str, c: Config, out_dtype):
 
     def kernel(x_gmem, w_gmem, s_gmem, *refs):
         *s2_gmem, o_gmem, o_smem = refs
-        nb, mb, ks = tile_of(n, m, bm, cluster, splits)
+        nb, mb, ks = tile_of(n, mt, bm, cluster, splits)
         k0 = ks * nk                         # first K step of this split
 
         def compute_context(eval_pipeline):
@@ -309,4 +312,4 @@ def prefill_matmul(x, w, scales, *, fmt: str, c: Config, out_dtype):
             body, grid=(nk,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=stages, compute_context=compute_context, in_specs=in_specs)(*srcs)
 
-    return ws_call(kernel, m, n, bm, out_dtype, cluster, splits)(x, w, scale, *s2)
+    return ws_call(kernel, mt, n, bm, out_dtype, cluster, splits, out_mn=(m, n))(x, w, scale, *s2)

@@ -504,7 +504,7 @@ def matmul_padded(fmt: str, x2, w, scales, n: int, out_dtype, interpret=False, *
 
         c = prefill_ws.config(fmt, m, w.shape[0], kp, out_dtype)
         if c is not None and fills_gpu(fmt, prefill_ws.ctas(c, m, w.shape[0])):
-            xw = pad_rows(x2, round_up(m, c.bm))
+            xw = pad_rows(x2, round_up(m, 8))             # TMA's tiled view takes whole 8-row tiles
             y = prefill_ws.prefill_matmul(fp4.order_x(xw, c.tk) if fmt == "nvfp4" else xw, w, scales, fmt=fmt, c=c,
                                           out_dtype=jnp.dtype(out_dtype))
             return finish(y, c.splits, m, n, out_dtype)
