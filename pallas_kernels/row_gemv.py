@@ -424,8 +424,8 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
                 plgpu.copy_gmem_to_smem(box, s_smem.at[slot, pl.ds(0, box.shape[0])], b)
 
         if kp > k:                                    # x's zeros past K, seen by every thread
-            x_smem.at[pl.ds(k // _X_ROW, (kp - k) // _X_ROW)][...] = jnp.zeros(
-                ((kp - k) // _X_ROW, _X_ROW), jnp.bfloat16)
+            for r in range(k // _X_ROW, kp // _X_ROW):
+                x_smem.at[r][...] = jnp.zeros((_X_ROW,), jnp.bfloat16)
             if not interpret:
                 _warpgroup_sync()
         plgpu.copy_gmem_to_smem(x_ref, x_smem.at[pl.ds(0, k // _X_ROW)], xbar.at[0])

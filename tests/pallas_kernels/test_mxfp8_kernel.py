@@ -211,17 +211,19 @@ def test_decode_split_sizes_per_format():
     assert wd.plan(1, 12288, 4096, "nvfp4", max_ctas=3 * wd.NUM_SMS).splits == 2
 
 
-@pytest.mark.parametrize("m", [1, 8, 64, 2048])
-def test_lowers_for_hopper(m):
-    """Mosaic GPU lowering (layout inference included) for the decode and prefill tilings."""
-    n, k = 256, 4096
+@pytest.mark.parametrize("m,k", [(1, 4096), (8, 4096), (64, 4096), (2048, 4096), (1, 256), (1, 768)])
+def test_lowers_for_hopper(m, k):
+    """Mosaic GPU lowering (layout inference included) for the decode and prefill tilings; one
+    row with K = 256 / 768 stages 3 / 1 rows of x zeros past K in the GEMV's last tile."""
+    n = 256
     f = lambda x, w, s: matmul(x, w, s)
     jax.jit(f).trace(jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
                      jax.ShapeDtypeStruct((k // 32, n), jnp.uint8)).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 2048, 1536), (8, 1, 96), (300, 512, 1024), (1100, 384, 640),
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 2048, 1536), (1, 512, 256), (1, 512, 768), (8, 1, 96),
+                                   (300, 512, 1024), (1100, 384, 640),
                                    (1100, 2560, 640), (2, 4096, 4096), (8, 4096, 12288), (5, 2048, 4096),
                                    (3, 12288, 4096), (4, 256, 8192), (8, 6144, 4096),
                                    (16, 4096, 4096), (12, 12288, 4096), (9, 4096, 12288), (16, 2048, 4096)])

@@ -134,9 +134,10 @@ def test_bad_operands_are_named():
         matmul(x, wq, ws, jnp.ones((2,)), backend="xla")
 
 
-@pytest.mark.parametrize("m", [1, 8, 2048])
-def test_lowers_for_hopper(m):
-    n, k = 256, 4096
+@pytest.mark.parametrize("m,k", [(1, 4096), (8, 4096), (2048, 4096), (1, 768), (1, 1280)])
+def test_lowers_for_hopper(m, k):
+    """One row with K = 768 / 1280 stages 5 / 3 rows of x zeros past K in the GEMV's last tile."""
+    n = 256
     f = lambda x, w, s, s2: matmul(x, w, s, s2)
     jax.jit(f).trace(jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
                      jax.ShapeDtypeStruct((k // 16, n), jnp.float8_e4m3fn),
