@@ -13,6 +13,9 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 SMEM_PER_CTA = 227 * 1024   # the most shared memory a CTA may use on the H100 / H200 (bytes)
+SMEM_PER_SM = 228 * 1024    # shared memory of an SM, shared by its resident CTAs (bytes)
+CTA_SMEM_RESERVE = 2 * 1024  # what each resident CTA takes of it besides its own (1 KiB), plus
+                             # Mosaic's barriers and alignment
 
 
 def product_dtype(out_dtype):

@@ -61,7 +61,8 @@ from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import cst, gpu_fence, hand_synced, interpret_kwargs, ix, max_active_clusters, num_sms
+from pallas_kernels.common import (CTA_SMEM_RESERVE, SMEM_PER_SM, cst, gpu_fence, hand_synced, interpret_kwargs, ix,
+                                    max_active_clusters, num_sms)
 
 ROWS = 64                    # weight rows per item
 GROUPS = ROWS // 16          # m16 row groups per item
@@ -69,8 +70,6 @@ TILE_BYTES = 256             # bytes of codes per row and K tile (one TMA box)
 _X_BOX = 256                 # x is staged in [M, 256] boxes (the TMA box limit)
 _STAGES = 2                  # ring slots per CTA (3 ran 15-25 % slower on the H200)
 _CTAS_PER_SM = 3             # at most; fewer where shared memory runs out
-_SM_SMEM = 228 * 1024
-_CTA_SMEM_RESERVE = 2 * 1024
 MAX_M = 16                   # tokens: two n8 column blocks (`Format.wide_ctas_per_sm` may refuse 9-16)
 _MIN_K = 1024                # codes along K a CTA of a split streams at least (`_plan`)
 
@@ -231,7 +230,7 @@ def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, m, interpret):
     return update(acc, w_ref, s_ref, x_ref)
 
 
-def _owned(t, m, cst):
+def _owned(t, m):
     """The (token, row) pairs of an item's output that thread t finishes: row t % 64, tokens
     t // 64 + 2j below M (as (predicate, token, row) triples)."""
     row, tok0 = arith.andi(t, cst(ROWS - 1)), arith.shrui(t, cst(6))
@@ -265,7 +264,7 @@ def _warp_sums(acc, red_ref, *, m, interpret):
                     memref.store(vector.extract(regs, [], [4 * (b * GROUPS + r) + q]), red_smem,
                                  [ix(warp), ix(tok), ix(row)])
         mgpu_utils.warpgroup_barrier()
-        for pred, tok, row in _owned(t, m, cst):
+        for pred, tok, row in _owned(t, m):
             with mgpu_utils.when(pred):
                 at = lambda w: [cst(w, index), ix(tok), ix(row)]
                 total = memref.load(red_smem, at(0))
@@ -289,7 +288,7 @@ def _store_partial(red_ref, part_ref, *, m, interpret):
     def store(_, red_smem, part_smem):
         index = ir.IndexType.get()
         first = mgpu_utils.get_cluster_ref(part_smem, gpu.Dimension.x, cst(0, index))
-        for pred, tok, row in _owned(mgpu_utils.thread_idx(), m, cst):
+        for pred, tok, row in _owned(mgpu_utils.thread_idx(), m):
             with mgpu_utils.when(pred):
                 memref.store(memref.load(red_smem, [cst(0, index), ix(tok), ix(row)]), first, [ix(tok), ix(row)])
 
@@ -309,7 +308,7 @@ def _finish(red_ref, parts_ref, s2_ref, y_ref, *, m, splits, factor, interpret):
         index = ir.IndexType.get()
         s2 = arith.mulf(memref.load(s2_smem, [cst(0, index)]), mgpu_utils.c(factor, ir.F32Type.get()))
         out_ty = ir.MemRefType(y_gmem.type).element_type
-        for pred, tok, row in _owned(mgpu_utils.thread_idx(), m, cst):
+        for pred, tok, row in _owned(mgpu_utils.thread_idx(), m):
             with mgpu_utils.when(pred):
                 total = memref.load(red_smem, [cst(0, index), ix(tok), ix(row)])
                 for p in range(splits - 1):
@@ -345,7 +344,7 @@ def _plan(fmt: Format, n: int, k: int, m: int) -> tuple[int, int]:
     plans = [(per_sm, s) for per_sm in range(_CTAS_PER_SM, 0, -1) for s in (1, 2, 4, 8)
              if kt % s == 0 and (s == 1 or (kt // s * fmt.tile_k >= _MIN_K and items * s <= num_sms() * per_sm
                                             and items <= max_active_clusters(s, per_sm)))
-             and (per_sm == 1 or per_sm * (smem(s) + _CTA_SMEM_RESERVE) <= _SM_SMEM)]
+             and (per_sm == 1 or per_sm * (smem(s) + CTA_SMEM_RESERVE) <= SMEM_PER_SM)]
     return min(plans, key=lambda p: (-(-items * p[1] // num_sms()) * (kt // p[1]), -p[0],
                                      p[1] if fmt.issue_bound else -p[1]))
 

@@ -46,7 +46,7 @@ from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import cst, hand_synced, interpret_kwargs, ix, num_sms
+from pallas_kernels.common import CTA_SMEM_RESERVE, SMEM_PER_SM, cst, hand_synced, interpret_kwargs, ix, num_sms
 
 ROWS = 16                    # weight rows per item (and per tile)
 ROW_BYTES = 1024             # bytes of codes per row and tile: 8 per thread
@@ -54,8 +54,6 @@ _BOX = 256                   # bytes per TMA box along K (a box is at most 256 e
 _STAGES = 2                  # ring slots per CTA and CTAs per SM: a sweep on the H200 (2-5 slots,
 _CTAS_PER_SM = 3             # 2-4 CTAs) found 2 x 3 fastest, 3-6 % ahead of 4 x 2 (RESULTS.md)
 _X_ROW = 256                 # x is staged as [K / 256, 256] bf16 (same box limit)
-_SM_SMEM = 228 * 1024        # shared memory of an SM, and what each resident CTA reserves of it
-_CTA_SMEM_RESERVE = 2 * 1024  # (1 KiB) plus Mosaic's barriers and alignment
 MAX_K = 16384                # x must fit shared memory next to the ring (32 KiB of bf16)
 _ACC = plgpu.Layout.WG_STRIDED((128, ROWS), ROWS)   # thread t: its ROWS row sums
 
@@ -393,7 +391,7 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
     slot = ROWS * ROW_BYTES + (np.prod(fmt.scales.slot) * jnp.dtype(fmt.scales.dtype).itemsize if scaled else 0)
     smem = (2 * kp + _STAGES * slot + sum(2 * a.size for a in extras) + 4 * ROWS * 4 + ROWS * 4 * (1 + glu)
             + 4 * s2.shape[0])
-    ctas = min(units, num_sms() * max(1, min(_CTAS_PER_SM, _SM_SMEM // (smem + _CTA_SMEM_RESERVE))))
+    ctas = min(units, num_sms() * max(1, min(_CTAS_PER_SM, SMEM_PER_SM // (smem + CTA_SMEM_RESERVE))))
 
     def kernel(*refs):
         refs = list(refs)

@@ -3,8 +3,9 @@
 * W8A16 (default): one activation row on a shape the CUDA-core GEMV serves goes there
   (``gemv.py``), 2-16 rows on a shape the `mma.sync` GEMV serves to it (``mma_gemv.py``);
   everything else runs the shared dequantizing engine
-  (``pallas_kernels/mxfp8/wdequant.py``) with one fp32 scale per 64 x ``tk`` weight tile (the
-  tile lies inside one 128x128 block).
+  (``pallas_kernels/mxfp8/wdequant.py``; on the GPU, calls of more than 64 rows its
+  warp-specialized form ``prefill_ws.py``) with one fp32 scale per min(128, ``tk``)
+  columns of a weight tile (each such group lies inside one 128x128 block).
 * W8A8 (``act_quant=True``): DeepGEMM's Hopper scheme. Activations are quantized per token
   and 128-wide K group (jnp, before the call); per 128-K step the CTA runs an fp8 ``wgmma``
   (both operands e4m3, K-major in SMEM) into a fresh fp32 accumulator and promotes it,

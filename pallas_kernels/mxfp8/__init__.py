@@ -12,9 +12,10 @@
 backend="xla": the jnp twin (``reference.py``): dequantize to bf16 (exact), XLA dot.
 backend="pallas": Mosaic GPU kernels (``kernel.py``): weight tiles stay MXFP8 in HBM and are
 dequantized in registers. One activation row runs the CUDA-core GEMV (``gemv.py``, over
-``pallas_kernels/row_gemv.py``); other decode-shaped calls (M <= 64) the tensor-core engine
-(``wdequant.py``) with K split across CTAs to stream the weights at full bandwidth, larger M its
-prefill tiling. interpret=True runs them in Mosaic GPU interpret mode (CPU). The backend is
+``pallas_kernels/row_gemv.py``); 2-16 rows the `mma.sync` GEMV (``mma_gemv.py``) where it
+serves the shape; other decode-shaped calls (M <= 64) the tensor-core engine (``wdequant.py``)
+with K split across CTAs to stream the weights at full bandwidth; larger M its prefill tiling,
+on the GPU its warp-specialized form (``prefill_ws.py``). interpret=True runs them in Mosaic GPU interpret mode (CPU). The backend is
 chosen once per server.
 """
 

@@ -17,7 +17,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from pallas_kernels import row_gemv
 
-from .reference import BLOCK
+from .reference import BLOCK, e8m0_to_f32
 
 
 def _convert(sv):
@@ -33,13 +33,9 @@ def _convert(sv):
     return out
 
 
-def _scale_values(s):
-    return jnp.ldexp(jnp.float32(1.0), s.astype(jnp.int32) - 127)
-
-
 FORMAT = row_gemv.Format(name="mxfp8_gemv", per_thread=8, block=BLOCK, factor=1.0,
                          decode=row_gemv.decode_e4m3, values=row_gemv.e4m3_values,
-                         scales=row_gemv.row_scales(BLOCK, 8, _convert, _scale_values))
+                         scales=row_gemv.row_scales(BLOCK, 8, _convert, e8m0_to_f32))
 
 
 def supported(m: int, n: int, k: int) -> bool:

@@ -21,7 +21,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from pallas_kernels import mma_gemv
 
-from .reference import BLOCK
+from .reference import BLOCK, e8m0_to_f32
 
 
 def _operands(word, scale):
@@ -44,7 +44,7 @@ def _scale_pairs(sv):
 def _values(codes, scales):
     """jnp: e4m3 * 2^(s - 127), the dequantized weights."""
     w = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
-    s = jnp.ldexp(jnp.float32(1.0), scales.astype(jnp.int32) - 127)
+    s = e8m0_to_f32(scales)
     return w * jnp.repeat(s.T, BLOCK, axis=1)
 
 

@@ -33,10 +33,15 @@ def validate(x, w_q, w_scale) -> None:
         raise ValueError(f"x has {x.shape[-1]} features but w_q has K={k}")
 
 
+def e8m0_to_f32(s):
+    """E8M0 bytes -> fp32 2^(s - 127)."""
+    return jnp.ldexp(jnp.float32(1.0), s.astype(jnp.int32) - 127)
+
+
 def dequantize_bf16(w_q, w_scale):
     """[N, K] bf16 weights, exact (``w_scale`` [K/32, N])."""
     n, k = w_q.shape
-    s = jnp.ldexp(jnp.float32(1.0), w_scale.T.astype(jnp.int32) - 127)        # [N, K/32]
+    s = e8m0_to_f32(w_scale.T)                                                 # [N, K/32]
     w = w_q.astype(jnp.float32).reshape(n, k // BLOCK, BLOCK) * s[..., None]
     return w.reshape(n, k).astype(jnp.bfloat16)
 

@@ -86,7 +86,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -273,7 +272,7 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
                     interpret=False):
     """Runs the kernel on operands padded along N and K.
 
-    xs      mxfp8/fp8_block/bf16: (x [M, K] bf16,);  nvfp4: (x_even, x_odd) each [M, K/2] bf16;
+    xs      (x [M, K] bf16,); nvfp4: x in the engine's K order (``fp4.order_x``);
             M <= TMA_ROWS or a multiple of TMA_ROWS
     w       [N, K] e4m3 (mxfp8, fp8_block), [N, K/2] uint8 (nvfp4) or [N, K] bf16 (bf16)
     scales  mxfp8: (weight_scale uint8 [K/32, N],); fp8_block: (weight_scale_inv f32 [N/128, K/128],);
@@ -398,7 +397,7 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
                 return (v * lax.broadcast_in_dim(sc[j], v.shape, [0]),)
 
             def nvfp4_groups(w_smem, s_smem):
-                """NVFP4: the step's slice pairs in the operand order of ``fp4.k_order``, decoded
+                """NVFP4: the step's slice pairs in the operand order of ``fp4.order_x``, decoded
                 from whole words of codes (the interpreter: their jnp values)."""
                 if interpret:
                     v = fp4.engine_values(w_smem[...], s_smem[...], tk)
@@ -494,8 +493,8 @@ def matmul_padded(fmt: str, x2, w, scales, n: int, out_dtype, interpret=False, *
     padded like ``w`` [Np, Kp'] and ``scales`` (N a multiple of 64, K of the format's smallest K
     step) -> [m, n] out_dtype.
     Plans the tiling, pads the rows of x to the token tile when there are more than
-    ``TMA_ROWS``, splits x into its even and odd columns for NVFP4, runs
-    :func:`wdequant_matmul` and sums split-K partials. Prefill-shaped MXFP8 and block-FP8
+    ``TMA_ROWS``, stores x in the engine's K order for NVFP4 (``fp4.order_x``), runs
+    :func:`wdequant_matmul` and sums split-K partials. Prefill-shaped MXFP8, NVFP4 and block-FP8
     calls on the GPU (more than 64 rows, no plan overrides) run the warp-specialized form,
     ``prefill_ws``, where their shapes fit it and its grid is large enough (``fills_gpu``)."""
     m, kp = x2.shape
@@ -536,4 +535,4 @@ def round_up(a: int, b: int) -> int:
 
 
 def ceil_div(a: int, b: int) -> int:
-    return math.ceil(a / b)
+    return -(-a // b)

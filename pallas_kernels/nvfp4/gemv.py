@@ -22,7 +22,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from pallas_kernels import row_gemv
 
-from .reference import BLOCK
+from .reference import BLOCK, unpack_codes
 
 
 def _decode(w0, w1):
@@ -62,8 +62,7 @@ def e4m3_scales(sv):
 
 def _values(w):
     """uint8 [..., B] packed codes -> fp32 [..., 2 B] e2m1 * 2^-14: the GPU's bit decoding."""
-    codes = jnp.stack([w & 0x0F, w >> 4], axis=-1).reshape(*w.shape[:-1], 2 * w.shape[-1])
-    c = codes.astype(jnp.uint16)
+    c = unpack_codes(w).astype(jnp.uint16)
     bits = ((c & 7) << 9) | ((c & 8) << 12)
     return lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
 

@@ -34,7 +34,7 @@ def matmul_kernel(x, w_q, w_scale, w_scale_2, *, out_dtype=None, interpret=False
     if not plan_overrides and mma_gemv.supported(x2.shape[0], n, k):
         return mma_gemv.gemv(x2, w_q, w_scale, s2, out_dtype=jnp.dtype(out_dtype), interpret=interpret).reshape(*lead, n)
     np_, kp = wd.round_up(n, wd.BN), wd.round_up(k, wd.MIN_STEP["nvfp4"])
-    # N / K padding copies the weight: only for shapes no real layer has (N % 64, K % 64).
+    # N / K padding copies the weight: only for shapes no real layer has (N % 64, K % 128).
     w = wd.pad_cols(wd.pad_rows(w_q, np_), kp // 2)
     s = wd.pad_cols(wd.pad_rows(w_scale, kp // 16), np_)
     y = wd.matmul_padded("nvfp4", wd.pad_cols(x2, kp), w, (s, s2), n, out_dtype, interpret, **plan_overrides)

@@ -13,7 +13,7 @@ GEMV (``mma_gemv.py``, `mma.sync` A fragments) and the dequantizing wgmma engine
   in bf16. The outputs are multiplied by ``FACTOR`` = 2^10 (with ``weight_scale_2``).
 
 The engine's fragments (``engine_fragments``) take whole words too, so its logical K order is a
-permutation of the weight's within each K step (``k_order``): a thread's word fills the A
+permutation of the weight's within each K step: a thread's word fills the A
 registers of its row in two k16 slices, and x is stored in the same order (``order_x``, one
 pass over the activations per call, as the even / odd split it replaces was).
 """

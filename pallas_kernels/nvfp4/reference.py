@@ -36,10 +36,15 @@ def validate(x, w_q, w_scale, w_scale_2) -> None:
         raise ValueError(f"x has {x.shape[-1]} features but the packed weight has K={k}")
 
 
+def unpack_codes(w_q):
+    """uint8 [..., B] -> the [..., 2 B] E2M1 codes (element 2i in the low nibble of byte i)."""
+    return jnp.stack([w_q & 0x0F, w_q >> 4], axis=-1).reshape(*w_q.shape[:-1], 2 * w_q.shape[-1])
+
+
 def dequantize_bf16(w_q, w_scale):
     """[N, K] bf16 of e2m1 * w_scale (exact; w_scale [K/16, N]; w_scale_2 not applied)."""
     n, half = w_q.shape
-    codes = jnp.stack([w_q & 0x0F, w_q >> 4], axis=-1).reshape(n, 2 * half)
+    codes = unpack_codes(w_q)
     v = jnp.asarray(E2M1, jnp.float32)[codes.astype(jnp.int32)]
     w = v.reshape(n, -1, BLOCK) * w_scale.T.astype(jnp.float32)[..., None]
     return w.reshape(n, 2 * half).astype(jnp.bfloat16)
