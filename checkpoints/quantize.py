@@ -3,12 +3,13 @@
     python checkpoints/quantize.py --in DIR --out DIR --algo fp8_block|mxfp8|nvfp4 [--exclude PATTERN ...]
 
 Every linear projection of the model (the ``Linear`` layers kk_jax builds for the
-checkpoint's architecture and each routed expert's ``experts.{e}.{gate,up,down}_proj``, as the
-GLM-5.3 release quantizes them; output heads named ``lm_head`` always stay in floating point) is
-quantized unless a ``--exclude`` pattern matches its module name (``fnmatch`` wildcards, the
-exact name, or a parent module such as ``model.layers.0``) or the architecture's release keeps
-it in floating point (``RELEASE_FLOAT``: for GLM-5.3 ``kv_b_proj``, the KDA gate and low-rank
-projections, the indexer and ``eh_proj``). Everything else (embeddings,
+checkpoint's architecture, its MTP block included, and each routed expert's
+``experts.{e}.{gate,up,down}_proj``, as the GLM-5.3 release quantizes them; output heads named
+``lm_head`` always stay in floating point) is quantized unless a ``--exclude`` pattern matches
+its module name (``fnmatch`` wildcards, the exact name, or a parent module such as
+``model.layers.0``; a pattern that names no module is an error) or the architecture's release
+keeps it in floating point (``RELEASE_FLOAT``: for GLM-5.3 ``kv_b_proj``, the KDA gate and
+low-rank projections, the indexer and ``eh_proj``). Everything else (embeddings,
 norms, tokenizer files, generation config) is copied unchanged. The result has exactly the
 tensors and config entries the public releases have:
 
@@ -38,7 +39,7 @@ import numpy as np
 if __package__ in (None, ""):                      # python checkpoints/quantize.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-ALGOS = ("fp8_block", "mxfp8", "nvfp4")
+ALGOS = ("fp8_block", "mxfp8", "nvfp4")           # kk_jax.quant.config.METHODS (not imported for --help)
 
 # Linears an architecture's official release keeps in floating point (fnmatch patterns over
 # module names); they stay in floating point here too, whatever the format. GLM-5.3's block-FP8
@@ -64,24 +65,22 @@ def release_float(model_dir: Path) -> tuple[str, ...]:
 
 
 def linear_modules(model_dir: Path) -> list[str]:
-    """Names of the Linear / FusedLinear-member modules kk_jax builds for this checkpoint, and of
-    every routed expert's projections (``...mlp.experts.{e}.{gate,up,down}_proj``: stacked params
-    with ``hf_experts`` metadata, stored per expert in the checkpoint)."""
+    """Names of the Linear modules kk_jax builds for this checkpoint (with the MTP block, for
+    architectures that have one: the engine loads it on request), and of every routed expert's
+    projections (``...mlp.experts.{e}.{gate,up,down}_proj``: stacked params with ``hf_experts``
+    metadata, stored per expert in the checkpoint)."""
     import jax.numpy as jnp
     from flax import nnx
 
     from kk_jax.config import load_model_config
-    from kk_jax.models.layers.linear import FusedLinear, Linear
+    from kk_jax.models.layers.linear import Linear
     from kk_jax.models.registry import model_class
 
     cfg = load_model_config(model_dir)
-    model = nnx.eval_shape(lambda: model_class(cfg.architecture)(cfg, jnp.bfloat16))
-    names = []
-    for path, module in nnx.iter_modules(model):
-        if isinstance(module, FusedLinear):
-            names += [m for m, _ in module.members]
-        elif isinstance(module, Linear):
-            names.append(".".join(map(str, path)))
+    cls = model_class(cfg.architecture)
+    extra = {"mtp": True} if getattr(cls, "has_mtp", False) else {}
+    model = nnx.eval_shape(lambda: cls(cfg, jnp.bfloat16, **extra))
+    names = [".".join(map(str, path)) for path, module in nnx.iter_modules(model) if isinstance(module, Linear)]
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         spec = var.get_metadata().get("hf_experts")
         if spec is not None:
@@ -113,16 +112,20 @@ def quantize_checkpoint(src, dst, algo: str, exclude: list[str] | tuple = (), pr
     from safetensors.numpy import save
 
     from kk_jax.checkpoint.safetensors_io import LazyTensor, index_checkpoint
-    from kk_jax.quant.config import QuantConfig, detect
+    from kk_jax.quant.config import GROUP_SIZES, QuantConfig, detect, matches
 
     src, dst = Path(src), Path(dst)
     if algo not in ALGOS:
         raise QuantizeError(f"--algo must be one of {', '.join(ALGOS)}, got {algo!r}")
+    if not (src / "config.json").is_file():
+        raise QuantizeError(f"--in {src} is not a Hugging Face checkpoint directory (no config.json)")
     if src.resolve() == dst.resolve():
         raise QuantizeError("--out must differ from --in")
+    if dst.exists() and not dst.is_dir():
+        raise QuantizeError(f"--out {dst} exists and is not a directory")
     if detect(src) is not None:
         raise QuantizeError(f"{src} is already quantized; start from a bf16/f32 checkpoint")
-    block = (128, 128) if algo == "fp8_block" else (1, {"mxfp8": 32, "nvfp4": 16}[algo])
+    block = (128, 128) if algo == "fp8_block" else (1, GROUP_SIZES[algo])
     keep = release_float(src)
     # block FP8 marks quantized linears by their scale tensors (the release lists no exclusions);
     # the ModelOpt formats must name every linear left in floating point
@@ -130,14 +133,18 @@ def quantize_checkpoint(src, dst, algo: str, exclude: list[str] | tuple = (), pr
     qcfg = QuantConfig(algo, block, written, activation_scheme="dynamic" if algo == "fp8_block" else None)
     chooser = QuantConfig(algo, block, tuple(exclude) + keep)
     tensors = index_checkpoint(src)
-    targets = {m for m in linear_modules(src) if chooser.method_for(m) and f"{m}.weight" in tensors}
-    problems = []
+    modules = [m for m in linear_modules(src) if f"{m}.weight" in tensors]
+    targets = {m for m in modules if chooser.method_for(m)}
+    problems = [f"--exclude {p!r} matches no linear module (e.g. {modules[0]})" for p in exclude
+                if not any(matches(p, m) for m in modules)]
+    if not targets and not problems:
+        problems.append("every linear module is excluded: nothing to quantize")
     for m in sorted(targets):
         info = tensors[f"{m}.weight"]
         if info.dtype not in ("F32", "BF16", "F16"):
             problems.append(f"{m}.weight has dtype {info.dtype}; quantize a bf16/f32 checkpoint")
         k = info.shape[-1]
-        need = {"mxfp8": 32, "nvfp4": 16}.get(algo, 1)
+        need = GROUP_SIZES.get(algo, 1)
         if k % need:
             problems.append(f"{m}.weight has in_features {k}, not a multiple of {need} ({algo}); "
                             f"add --exclude {m}")
@@ -191,13 +198,16 @@ def _main(argv=None) -> int:
     ap.add_argument("--in", dest="src", required=True, help="bf16/f32 HF checkpoint directory")
     ap.add_argument("--out", required=True, help="output directory (created)")
     ap.add_argument("--algo", required=True, choices=ALGOS)
-    ap.add_argument("--exclude", nargs="*", default=[], metavar="PATTERN",
-                    help="module-name patterns to keep in floating point (fnmatch, exact or parent names)")
+    ap.add_argument("--exclude", action="extend", nargs="+", default=[], metavar="PATTERN",
+                    help="module-name patterns to keep in floating point (fnmatch, exact or parent names); "
+                         "may be repeated")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
+    from kk_jax.config import ConfigError
+
     try:
         out = quantize_checkpoint(args.src, args.out, args.algo, args.exclude, progress=not args.quiet)
-    except QuantizeError as e:
+    except (QuantizeError, ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.algo} checkpoint to {out}")

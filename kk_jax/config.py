@@ -19,6 +19,17 @@ class ConfigError(ValueError):
     """A checkpoint's config.json cannot be served as written."""
 
 
+def read_json(path: Path, missing=None):
+    """The JSON document at ``path``, ``missing`` if there is no such file; ConfigError naming
+    the file if it is not valid JSON."""
+    if not path.is_file():
+        return missing
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
 
@@ -207,7 +218,7 @@ def load_model_config(model_dir: str | Path) -> Qwen3Config:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path} not found: --model must be a Hugging Face checkpoint directory")
-    cfg = json.loads(path.read_text())
+    cfg = read_json(path)
     archs = cfg.get("architectures") or []
     known = [a for a in archs if a in ARCHITECTURES]
     if not known:

@@ -48,8 +48,7 @@ class TensorSpec(NamedTuple):
     dtype    None: any floating dtype, cast to the load dtype; else the numpy dtype name the
              checkpoint tensor must have exactly (loaded as it is)
     sources  ((checkpoint name, rows), ...): the parameter is these tensors concatenated along
-             axis 0; rows == 0 marks a per-tensor scalar that every source must hold with the
-             same value; a scalar source with rows == 1 is one row (per-member scalars stacked)
+             axis 0; a scalar source with rows == 1 is one row (per-member scalars stacked)
     shards   concatenate per shard: [src0 part s, src1 part s, ...] for s in range(shards)
     transposed  the parameter is the (2-D) checkpoint tensor, or concatenation, transposed:
              ``shape`` and ``axes`` are the parameter's, the checkpoint holds ``shape`` reversed
@@ -94,7 +93,7 @@ def _check_tensor(name, info, shape, dtype, problems, what="") -> None:
         if tuple(info.shape) != tuple(shape):
             problems.append(f"tensor {name} has shape {list(info.shape)}, expected {list(shape)}{what}")
         if info.dtype not in FLOAT_CODES:
-            problems.append(f"tensor {name} has dtype {info.dtype}, expected a float type (F32/BF16/F16)")
+            problems.append(f"tensor {name} has dtype {info.dtype}, expected a float type ({'/'.join(sorted(FLOAT_CODES))})")
         return
     scalar_as_1 = {tuple(shape), tuple(info.shape)} == {(), (1,)}
     if tuple(info.shape) != tuple(shape) and not scalar_as_1:
@@ -127,12 +126,12 @@ def validate(model_dir: Path, expected: dict, ignore: Sequence[str] = ()) -> dic
             _check_tensor(name, info, spec.shape, spec.dtype, problems)
             continue
         rows = sum(r for _, r in spec.sources)
-        if spec.shape and rows and rows != spec.shape[0]:
+        if spec.shape and rows != spec.shape[0]:
             problems.append(f"parameter {name}: its sources hold {rows} rows, expected {spec.shape[0]}")
         for src, r in spec.sources:
             used.add(src)
             info = found.get(src)
-            want = spec.shape if r == 0 else (r, *spec.shape[1:])
+            want = (r, *spec.shape[1:])
             if info is None:
                 problems.append(f"missing tensor {src} (expected shape {list(want)}, part of {name})")
                 continue
@@ -155,19 +154,13 @@ class _ScalarRow(NamedTuple):
         return np.asarray(self.lazy[...]).reshape(1)[idx]
 
 
-def _fused_reader(name: str, spec: TensorSpec, found: dict, cast):
+def _fused_reader(spec: TensorSpec, found: dict, cast):
     """Callback reading any device slice of a parameter concatenated from ``spec.sources``."""
     def lazy(src, r):
         tensor = LazyTensor(found[src])
         return _ScalarRow(tensor) if r == 1 and tuple(found[src].shape) == () else tensor
 
     lazies = [(lazy(src, r), r) for src, r in spec.sources]
-    if all(r == 0 for _, r in lazies):                         # one per-tensor scalar shared by all
-        values = [np.asarray(lz[...]).reshape(()) for lz, _ in lazies]
-        if any(v.tobytes() != values[0].tobytes() for v in values[1:]):
-            raise CheckpointError(f"cannot fuse into {name}: {', '.join(s for s, _ in spec.sources)} hold "
-                                  f"different values {[float(v) for v in values]}")
-        return lambda idx: cast(values[0])[idx]
     segments = []                                              # (lazy, first row, rows) in fused order
     for s in range(spec.shards):
         for lz, r in lazies:
@@ -204,7 +197,7 @@ def _reader(name: str, spec: TensorSpec, found: dict, dtype):
     np_dtype = np.dtype(dtype) if spec.dtype is None else None
     cast = (lambda a: a.astype(np_dtype)) if np_dtype is not None else (lambda a: a)
     if spec.sources:
-        return _fused_reader(name, spec, found, cast)
+        return _fused_reader(spec, found, cast)
     lazy = LazyTensor(found[name])
     if tuple(spec.shape) == () and tuple(found[name].shape) == (1,):          # a scalar stored as [1]
         return lambda idx: cast(lazy[...].reshape(()))[idx]
@@ -258,12 +251,14 @@ def abstract_params(expected: dict, dtype, mesh: Mesh) -> dict[str, jax.ShapeDty
     return out
 
 
-def random_params(expected: dict, dtype, mesh: Mesh, seed: int = 0, std: float = 0.02) -> dict[str, jax.Array]:
-    """Normal(0, std) matrices and unit norm weights, drawn directly on the devices with their
-    final sharding; for benchmarks of full-size shapes without a checkpoint. Exact-dtype
-    (quantized) tensors get random codes and scales of their own dtype."""
+def random_params(expected: dict, dtype, mesh: Mesh, seed: int = 0, std: float = 0.02,
+                  stacked: frozenset[str] = frozenset()) -> dict[str, jax.Array]:
+    """Normal(0, std) matrices and ones for vectors (norm weights), drawn directly on the devices
+    with their final sharding; for benchmarks of full-size shapes without a checkpoint.
+    ``stacked``: names of parameters stacked over layers along a new axis 0 (a stacked vector is
+    ones too). Exact-dtype (quantized) tensors get random codes and scales of their own dtype."""
 
-    def draw(key, shape, exact, is_scale):
+    def draw(key, shape, exact, is_scale, vector):
         if exact is not None:
             t = jnp.dtype(exact)
             if jnp.issubdtype(t, jnp.integer):       # E8M0 scales near 2^-6, else any byte
@@ -273,7 +268,7 @@ def random_params(expected: dict, dtype, mesh: Mesh, seed: int = 0, std: float =
                 return jnp.full(shape, std / 64.0, t)
             return (jnp.abs(jax.random.normal(key, shape, jnp.float32)) if is_scale
                     else jax.random.normal(key, shape, jnp.float32)).astype(t)
-        if len(shape) == 1:
+        if vector:
             return jnp.ones(shape, dtype)
         return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
@@ -281,6 +276,7 @@ def random_params(expected: dict, dtype, mesh: Mesh, seed: int = 0, std: float =
     out = {}
     for i, (name, value) in enumerate(expected.items()):
         spec = as_spec(value)
-        out[name] = jax.jit(draw, static_argnums=(1, 2, 3), out_shardings=sharding(mesh, spec.axes or ()))(
-            jax.random.fold_in(key, i), tuple(spec.shape), spec.dtype, "scale" in name.rsplit(".", 1)[-1])
+        vector = len(spec.shape) - (name in stacked) == 1
+        out[name] = jax.jit(draw, static_argnums=(1, 2, 3, 4), out_shardings=sharding(mesh, spec.axes or ()))(
+            jax.random.fold_in(key, i), tuple(spec.shape), spec.dtype, "scale" in name.rsplit(".", 1)[-1], vector)
     return out

@@ -339,7 +339,8 @@ class ModelRunner:
         else:                               # drawn in the model's own (stacked) shapes
             expected = expected_tensors(flat)
             params = (abstract_params(expected, dtype, mesh) if compile_only else
-                      random_params(expected, dtype, mesh, random_weights_seed))
+                      random_params(expected, dtype, mesh, random_weights_seed, stacked=frozenset(
+                          ".".join(map(str, p)) for p, v in flat if "stacked_layers" in v.get_metadata())))
         pure = {}
         for path, var in flat:
             node = pure

@@ -26,23 +26,17 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from kk_jax.config import ConfigError
+from kk_jax.config import ConfigError, read_json
 
 METHODS = ("fp8_block", "mxfp8", "nvfp4")
 MODELOPT_ALGOS = {"MXFP8": "mxfp8", "NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4"}
 GROUP_SIZES = {"mxfp8": 32, "nvfp4": 16}
 NEVER_QUANTIZED = ("lm_head",)
 
-# Tensors each method adds next to ``weight`` (the optional ones only when the checkpoint has them).
-SCALE_TENSORS = {
-    "fp8_block": ("weight_scale_inv",),
-    "mxfp8": ("weight_scale",),
-    "nvfp4": ("weight_scale", "weight_scale_2"),
-}
+# Tensors a method may have next to ``weight`` and its scales, declared only when the checkpoint has them.
 OPTIONAL_TENSORS = {"fp8_block": (), "mxfp8": (), "nvfp4": ("input_scale",)}
 
 
@@ -72,12 +66,7 @@ class QuantConfig:
 
     def is_excluded(self, module: str) -> bool:
         """True if ``module`` (e.g. ``model.layers.0.self_attn.q_proj``) stays unquantized."""
-        if module.rsplit(".", 1)[-1] in NEVER_QUANTIZED:
-            return True
-        for pat in self.exclude:
-            if module == pat or module.startswith(pat + ".") or fnmatch.fnmatchcase(module, pat):
-                return True
-        return False
+        return module.rsplit(".", 1)[-1] in NEVER_QUANTIZED or any(matches(p, module) for p in self.exclude)
 
     def method_for(self, module: str, tensor_names: Iterable[str] | None = None) -> str | None:
         """The method that applies to linear ``module``, or None if it stays in floating point.
@@ -111,10 +100,15 @@ def _modelopt_algo(d: dict) -> tuple[str | None, list[str], Any]:
     """(quant_algo, exclusions, group_size) from either ModelOpt spelling."""
     inner = d.get("quantization") if isinstance(d.get("quantization"), dict) else d
     algo = inner.get("quant_algo")
-    exclude = inner.get("exclude_modules") or inner.get("ignore") or d.get("ignore") or []
-    if not isinstance(exclude, list) or not all(isinstance(p, str) for p in exclude):
-        raise ConfigError(f"exclude_modules/ignore must be a list of module-name patterns, got {exclude!r}")
+    exclude = _patterns(inner.get("exclude_modules") or inner.get("ignore") or d.get("ignore") or [],
+                        "exclude_modules/ignore")
     return (str(algo).upper() if algo else None), exclude, inner.get("group_size")
+
+
+def _patterns(exclude, key: str) -> list[str]:
+    if not isinstance(exclude, list) or not all(isinstance(p, str) for p in exclude):
+        raise ConfigError(f"{key} must be a list of module-name patterns, got {exclude!r}")
+    return exclude
 
 
 def _modelopt(algo: str | None, exclude: list[str], group: Any, source: str) -> QuantConfig:
@@ -124,7 +118,8 @@ def _modelopt(algo: str | None, exclude: list[str], group: Any, source: str) -> 
         raise ConfigError(f"unsupported quant_algo {algo!r} in {source}; supported: MXFP8, NVFP4 (ModelOpt) and "
                           "block FP8 (quant_method 'fp8' with weight_block_size)")
     method = MODELOPT_ALGOS[algo]
-    if group is not None and int(group) != GROUP_SIZES[method]:
+    if group is not None and (not isinstance(group, (int, str)) or not str(group).isdigit()
+                              or int(group) != GROUP_SIZES[method]):
         raise ConfigError(f"{source}: {algo} uses group_size {GROUP_SIZES[method]}, got {group}")
     return QuantConfig(method, (1, GROUP_SIZES[method]), tuple(exclude), source=source)
 
@@ -151,7 +146,8 @@ def parse(config: dict, hf_quant: dict | None, where: str = "") -> QuantConfig |
             scale_fmt = qc.get("scale_fmt")
             if scale_fmt not in (None, "ue8m0", "float"):
                 raise ConfigError(f"{where}config.json block FP8 scale_fmt {scale_fmt!r} is not supported")
-            exclude = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []
+            exclude = _patterns(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or [],
+                                f"{where}config.json modules_to_not_convert")
             from_config = QuantConfig("fp8_block", tuple(block), tuple(exclude), by_tensors=True,
                                       activation_scheme=qc.get("activation_scheme"),
                                       source=f"{where}config.json")
@@ -178,10 +174,31 @@ def parse(config: dict, hf_quant: dict | None, where: str = "") -> QuantConfig |
     return from_config or from_file
 
 
+def matches(pattern: str, module: str) -> bool:
+    """Whether an exclusion pattern names ``module``: the exact name, a parent module
+    (``model.layers.0``) or an ``fnmatch`` wildcard pattern."""
+    return module == pattern or module.startswith(pattern + ".") or fnmatch.fnmatchcase(module, pattern)
+
+
 def detect(model_dir: str | Path) -> QuantConfig | None:
     """QuantConfig of an HF checkpoint directory, or None if its weights are not quantized."""
     model_dir = Path(model_dir)
     cfg_path, hq_path = model_dir / "config.json", model_dir / "hf_quant_config.json"
-    config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-    hf_quant = json.loads(hq_path.read_text()) if hq_path.is_file() else None
+    config, hf_quant = read_json(cfg_path, {}), read_json(hq_path)
     return parse(config, hf_quant, where=f"{model_dir}/")
+
+
+def detect_with_names(model_dir) -> tuple[QuantConfig | None, set[str] | None]:
+    """(:func:`detect` of ``model_dir`` or None for no directory, the checkpoint's tensor names
+    when it is quantized): the names decide block-FP8 membership and which optional tensors
+    (NVFP4's ``input_scale``) the layers declare. Names are None when the checkpoint is not
+    quantized or its files are missing (the loader reports those)."""
+    qcfg = detect(model_dir) if model_dir is not None else None
+    if qcfg is None:
+        return None, None
+    from kk_jax.checkpoint.safetensors_io import index_checkpoint
+
+    try:
+        return qcfg, set(index_checkpoint(model_dir))
+    except FileNotFoundError:
+        return qcfg, None

@@ -29,7 +29,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 E4M3_MAX = 448.0
 DEFAULT_BLOCK = (128, 128)
@@ -96,10 +95,3 @@ def check(weight, weight_scale_inv, block=DEFAULT_BLOCK, name: str = "weight") -
                          f"{list(weight.shape)} with {block[0]}x{block[1]} blocks needs {list(want)}")
     if jnp.dtype(weight_scale_inv.dtype) != jnp.dtype(jnp.float32):
         raise ValueError(f"{name}_scale_inv must be float32, got {weight_scale_inv.dtype}")
-
-
-def dequantize_np(weight: np.ndarray, weight_scale_inv: np.ndarray, block=DEFAULT_BLOCK) -> np.ndarray:
-    """NumPy float64 dequantization (host side: tools and oracles)."""
-    n, k = weight.shape
-    s = np.repeat(np.repeat(np.asarray(weight_scale_inv, np.float64), block[0], 0), block[1], 1)[:n, :k]
-    return np.asarray(weight).astype(np.float64) * s

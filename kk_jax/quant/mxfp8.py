@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 BLOCK = 32
 E4M3_MAX = 448.0
@@ -82,11 +81,3 @@ def check(weight, weight_scale, name: str = "weight") -> None:
     if tuple(weight_scale.shape) != want:
         raise ValueError(f"{name}_scale has shape {list(weight_scale.shape)}; a weight of shape "
                          f"{list(weight.shape)} needs {list(want)}")
-
-
-def dequantize_np(weight: np.ndarray, weight_scale: np.ndarray) -> np.ndarray:
-    """NumPy float64 dequantization (host side: tools and oracles)."""
-    w = np.asarray(weight).astype(np.float64)
-    u = np.asarray(weight_scale).astype(np.float64)
-    s = np.where(u == 255, np.nan, np.exp2(u - E8M0_BIAS))
-    return (w.reshape(*w.shape[:-1], -1, BLOCK) * s[..., None]).reshape(w.shape)

@@ -115,7 +115,8 @@ def dequantize(weight, weight_scale, weight_scale_2, dtype=jnp.float32):
 
 
 def check(weight, weight_scale, weight_scale_2=None, name: str = "weight") -> None:
-    """Raises ValueError unless dtypes are uint8 / e4m3 / f32 and shapes are [..., K/2] / [..., K/16]."""
+    """Raises ValueError unless the weight is uint8 and its scales e4m3, shaped [..., K/2] /
+    [..., K/16], and ``weight_scale_2`` (taken as fp32) is one value."""
     if jnp.dtype(weight.dtype) != jnp.dtype(jnp.uint8):
         raise ValueError(f"{name}: NVFP4 weight must be uint8 (two E2M1 per byte), got {weight.dtype}")
     if jnp.dtype(weight_scale.dtype) != jnp.dtype(jnp.float8_e4m3fn):
@@ -129,12 +130,3 @@ def check(weight, weight_scale, weight_scale_2=None, name: str = "weight") -> No
                          f"{list(weight.shape)} (K = {k}) needs {list(want)}")
     if weight_scale_2 is not None and int(np.prod(jnp.shape(weight_scale_2))) != 1:
         raise ValueError(f"{name}_scale_2 must be a single fp32 value, got shape {list(jnp.shape(weight_scale_2))}")
-
-
-def dequantize_np(weight: np.ndarray, weight_scale: np.ndarray, weight_scale_2) -> np.ndarray:
-    """NumPy float64 dequantization (host side: tools and oracles)."""
-    b = np.asarray(weight)
-    codes = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(*b.shape[:-1], b.shape[-1] * 2)
-    v = np.asarray(E2M1_VALUES, np.float64)[codes]
-    s = np.asarray(weight_scale).astype(np.float64) * float(np.asarray(weight_scale_2).reshape(()))
-    return (v.reshape(*v.shape[:-1], -1, BLOCK) * s[..., None]).reshape(v.shape)

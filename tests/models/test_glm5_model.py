@@ -234,6 +234,8 @@ def test_random_weights_take_the_models_stacked_shapes(tmp_path):
     experts = model.model.language_model.layers[1].mlp.experts.gate_proj
     assert experts.shape == (2, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
     assert model.model.language_model.layers[5] is None
+    norm = model.model.language_model.layers[1].input_layernorm.weight[...]       # stacked [2, hidden]
+    assert norm.shape == (2, cfg.hidden_size) and bool(jnp.all(norm == 1))
     row = DecodeRow(token=3, position=0, pages=[1], slot=1, budget=2, stop_ids=[], params=SamplingParams(max_tokens=2),
                     seed=0, token_index=0)
     assert len(r.decode([row])[0].tokens) == 2

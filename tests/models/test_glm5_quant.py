@@ -127,6 +127,30 @@ def test_quantize_writes_per_expert_release_tensors(quantized):
     assert nv["model.language_model.layers.1.mlp.shared_experts.gate_proj.weight"].dtype == "F32"
 
 
+@pytest.mark.parametrize("name", ["release", "nvfp4"])
+def test_mtp_block_is_quantized_like_the_layers(quantized, name):
+    """The MTP block (layer N, loaded with ``load_mtp``) is quantized like the other layers but
+    for ``eh_proj`` (floating point in the release); the engine's expected tensors with the MTP
+    block match the checkpoint."""
+    from kk_jax.checkpoint.loader import validate
+    from kk_jax.config import load_model_config
+    from kk_jax.engine.runner import checkpoint_tensors
+    from kk_jax.models.glm5_next import Glm5NextForConditionalGeneration as cls
+    from kk_jax.models.layers.linear import prepare_linears
+    from kk_jax.models.layers.moe import prepare_experts
+
+    ckpt = quantized[name]
+    cfg = load_model_config(ckpt)
+    idx = index_checkpoint(ckpt)
+    mtp = f"model.language_model.layers.{cfg.num_hidden_layers}"
+    routed = f"{mtp}.mlp.experts.0.down_proj.weight"
+    assert idx[routed].dtype == ("F8_E4M3" if name == "release" else "U8")
+    assert idx[f"{mtp}.eh_proj.weight"].dtype == "F32"
+    model = nnx.eval_shape(lambda: prepare_experts(prepare_linears(cls(cfg, jnp.bfloat16, mtp=True), ckpt), ckpt))
+    expected, _ = checkpoint_tensors(nnx.to_flat_state(nnx.state(model)))
+    validate(ckpt, expected, ignore=cls.ignored_tensors(cfg, mtp=True))
+
+
 def test_release_fp8_runs_close_to_its_dequantized_copy(quantized, tmp_path):
     tokens, logits, w = run(quantized["release"])
     idx = index_checkpoint(quantized["release"])

@@ -62,6 +62,10 @@ def test_exclusion_patterns():
      {"quantization": {"quant_algo": "NVFP4"}}, "says mxfp8 but hf_quant_config.json says nvfp4"),
     ({}, {"quantization": {"quant_algo": "MXFP8", "group_size": 16}}, "MXFP8 uses group_size 32, got 16"),
     ({}, {"quantization": {"quant_algo": "NVFP4", "exclude_modules": "lm_head"}}, "must be a list"),
+    ({}, {"quantization": {"quant_algo": "NVFP4", "group_size": "sixteen"}}, "NVFP4 uses group_size 16, got sixteen"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                              "modules_to_not_convert": "model.layers.0"}}, None,
+     "modules_to_not_convert must be a list of module-name patterns"),
 ])
 def test_bad_quantization_configs(config, hq, msg):
     with pytest.raises(ConfigError, match=msg):
@@ -74,6 +78,9 @@ def test_detect_reads_the_directory(tmp_path):
     (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "NVFP4"}}))
     q = detect(tmp_path)
     assert q.method == "nvfp4" and q.block == (1, 16) and "hf_quant_config.json" in q.source
+    (tmp_path / "hf_quant_config.json").write_text('{"quantization": ')
+    with pytest.raises(ConfigError, match="hf_quant_config.json: not valid JSON"):
+        detect(tmp_path)
 
 
 def test_to_hf_round_trips():

@@ -159,6 +159,11 @@ def test_fused_block_fp8_membership_follows_tensors():
 def test_k_not_divisible_by_the_block_names_the_layer(method, k, msg):
     with pytest.raises(QuantLayoutError, match=f"model.layers.0.mlp.down_proj: {msg}"):
         Linear(k, 64, jnp.bfloat16, axes=("embed", "mlp")).quantize_(method, name="model.layers.0.mlp.down_proj")
+    fused = FusedLinear(k, [("model.layers.0.mlp.gate_proj", 64), ("model.layers.0.mlp.up_proj", 64)], jnp.bfloat16,
+                        axes=("mlp", "embed"))
+    with pytest.raises(QuantLayoutError, match=rf"model.layers.0.mlp.gate_up_proj \(model.layers.0.mlp.gate_proj, "
+                                               rf"model.layers.0.mlp.up_proj\): {msg}"):
+        fused.quantize_(method, name="model.layers.0.mlp.gate_up_proj")
 
 
 class Layer(nnx.Module):

@@ -157,6 +157,23 @@ def test_bad_scale_shape_names_the_tensor(quantized, tmp_path):
         LLM(ckpt, **SMALL)
 
 
+def test_nvfp4_input_scales_are_accepted(quantized, tmp_path):
+    """ModelOpt's NVFP4 exports hold an ``input_scale`` next to every quantized linear's weight
+    (unused: activations stay bf16); such a checkpoint loads and generates the tokens of the same
+    checkpoint without them."""
+    from safetensors.numpy import save
+
+    ckpt = shutil.copytree(quantized["nvfp4"], tmp_path / "ckpt")
+    tensors = {n: LazyTensor(i)[...] for n, i in index_checkpoint(ckpt).items()}
+    scaled = [n.removesuffix(".weight_scale_2") for n in tensors if n.endswith(".weight_scale_2")]
+    assert scaled
+    tensors.update({f"{m}.input_scale": np.asarray(0.5 + i, np.float32) for i, m in enumerate(scaled)})
+    (ckpt / "model.safetensors").write_bytes(save(tensors))
+    params = SamplingParams(max_tokens=6, temperature=0)
+    got = LLM(ckpt, **SMALL).generate([PROMPT], params)[0].token_ids
+    assert got == LLM(quantized["nvfp4"], **SMALL).generate([PROMPT], params)[0].token_ids
+
+
 def test_unknown_quant_algo_is_a_config_error(tiny_ckpt, tmp_path):
     ckpt = shutil.copytree(tiny_ckpt, tmp_path / "ckpt")
     (ckpt / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "INT4_AWQ"}}))
@@ -175,6 +192,32 @@ def test_cli(tiny_ckpt, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "model.layers.0.self_attn.q_proj.weight has in_features 48, not a multiple of 32 (mxfp8)" in err
     assert "add --exclude model.layers.0.self_attn.q_proj" in err
+
+
+def test_cli_excludes_and_bad_input(tiny_ckpt, tmp_path, capsys):
+    """--exclude may be repeated; a pattern that names no module, excluding everything, an
+    input that is no checkpoint or an output that is a file: exit status 2 and one line saying
+    what is wrong, nothing written."""
+    out = tmp_path / "q"
+    assert quantize_main(["--in", str(tiny_ckpt), "--out", str(out), "--algo", "mxfp8", "--quiet",
+                          "--exclude", "model.layers.0.*", "--exclude", "model.layers.1.mlp.*"]) == 0
+    idx = index_checkpoint(out)
+    assert idx["model.layers.0.self_attn.q_proj.weight"].dtype == "F32"
+    assert idx["model.layers.1.mlp.up_proj.weight"].dtype == "F32"
+    assert idx["model.layers.1.self_attn.q_proj.weight"].dtype == "F8_E4M3"
+    bad = {"typo": ["--exclude", "model.layer.0"], "everything": ["--exclude", "*"],
+           "no checkpoint": ["--in", str(tmp_path / "missing")], "file out": ["--out", str(tmp_path / "afile")]}
+    (tmp_path / "afile").write_text("")
+    for case, args in bad.items():
+        argv = {"--in": str(tiny_ckpt), "--out": str(tmp_path / "bad"), "--algo": "nvfp4"}
+        argv.update(dict(zip(args[::2], args[1::2])))
+        assert quantize_main([a for kv in argv.items() for a in kv] + ["--quiet"]) == 2, case
+        assert not (tmp_path / "bad").exists(), case
+    err = capsys.readouterr().err
+    assert "--exclude 'model.layer.0' matches no linear module" in err
+    assert "every linear module is excluded: nothing to quantize" in err
+    assert "is not a Hugging Face checkpoint directory (no config.json)" in err
+    assert "exists and is not a directory" in err
 
 
 def test_fp8_activations_switch_block_fp8_linears_to_w8a8(quantized, tiny_ckpt):

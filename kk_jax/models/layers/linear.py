@@ -186,7 +186,7 @@ class FusedLinear(nnx.Module):
                                 sources=self._sources("weight", 1))
 
     def _sources(self, suffix: str, rows_per_row: float) -> tuple:
-        """((checkpoint tensor, rows), ...) in member order, plus the shard count."""
+        """((checkpoint tensor, rows), ...) in member order."""
         return tuple((f"{name}.{suffix}", int(n * rows_per_row)) for name, n in self.members)
 
     def quantize_(self, method: str | None, *, block=(128, 128), optional: Iterable[str] = (), backend="xla",
@@ -206,8 +206,12 @@ class FusedLinear(nnx.Module):
             self.weight = nnx.Param(jnp.zeros((n, k), dtype), axes=self.axes,
                                     sources=self._sources("weight", 1), shards=shards)
             return
-        specs = quant_tensor_specs(method, n, k, block, optional)
-        _check_tp_layout(method, n, k, self.axes, mesh, block)
+        try:
+            specs = quant_tensor_specs(method, n, k, block, optional)
+            _check_tp_layout(method, n, k, self.axes, mesh, block)
+        except QuantLayoutError as e:
+            members = ", ".join(m for m, _ in self.members)
+            raise QuantLayoutError(f"{name or 'fused linear'} ({members}): {e}") from None
         for suffix, (shape, dt, sharded) in specs.items():
             if sharded:
                 per_row = shape[0] / n
@@ -368,16 +372,9 @@ def prepare_linears(model: nnx.Module, model_dir=None, *, backend: str = "xla", 
     :func:`quantize_linears` and returns ``model``. FusedLinears get their tensor-parallel
     layout even when nothing is quantized; unquantized linears run decode-sized inputs on
     ``dense_backend``."""
-    from kk_jax.checkpoint.safetensors_io import index_checkpoint
-    from kk_jax.quant.config import detect
+    from kk_jax.quant.config import detect_with_names
 
-    qcfg = detect(model_dir) if model_dir is not None else None
-    names = None
-    if qcfg is not None and qcfg.by_tensors:
-        try:
-            names = set(index_checkpoint(model_dir))
-        except FileNotFoundError:
-            names = None            # the loader reports the missing files
+    qcfg, names = detect_with_names(model_dir)
     fuse_projections(model, qcfg, names, mesh)
     quantize_linears(model, qcfg, tensor_names=names, backend=backend, mesh=mesh, act_quant=act_quant,
                      interpret=interpret, dense_backend=dense_backend)

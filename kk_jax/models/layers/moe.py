@@ -248,17 +248,12 @@ def prepare_experts(model: nnx.Module, model_dir=None, *, mesh=None) -> nnx.Modu
     checkpoints). A projection is quantized when the config covers expert ``{e}.{proj}`` (block
     FP8: when ``experts.{e}.{proj}.weight_scale_inv`` is in the checkpoint); all experts of one
     layer must agree, otherwise a QuantLayoutError names them before anything is read."""
-    from kk_jax.checkpoint.safetensors_io import index_checkpoint
     from kk_jax.models.layers.linear import QuantLayoutError
-    from kk_jax.quant.config import OPTIONAL_TENSORS, detect
+    from kk_jax.quant.config import OPTIONAL_TENSORS, detect_with_names
 
-    qcfg = detect(model_dir) if model_dir is not None else None
+    qcfg, names = detect_with_names(model_dir)
     if qcfg is None:
         return model
-    try:
-        names = set(index_checkpoint(model_dir))
-    except FileNotFoundError:
-        names = None                 # the loader reports the missing files
     problems = []
     for path, module in nnx.iter_modules(model):
         if not isinstance(module, Experts):
