@@ -29,11 +29,11 @@ def grouped_matmul_kernel(x_rows, tile_expert, fmt, w, *scales, expert_offset=0,
         raise ValueError(f"row tiles of {bm} rows; expected 8, 16, 32, 64, 128 or 256")
     p = wd.plan(bm, n, k, fmt, bm=bm, row_tiles=t, **plan_overrides)
     x2 = x_rows.astype(jnp.bfloat16)
-    xs = (fp4.order_x(x2, p.tk),) if fmt == "nvfp4" else (x2,)
+    x2 = fp4.order_x(x2, p.tk) if fmt == "nvfp4" else x2
     # experts stacked along N: the weight and block FP8's scales; mxfp8 / nvfp4 scales stay [E, K/b, N]
     flat = lambda a: a.reshape(-1, *a.shape[2:])
     scales = (flat(scales[0]),) if fmt == "fp8_block" else scales
     te = jnp.where(tile_expert >= 0, tile_expert + jnp.asarray(expert_offset, jnp.int32), -1).astype(jnp.int32)
-    y = wd.wdequant_matmul(xs, flat(w), scales, fmt=fmt, p=p, out_dtype=out_dtype,
+    y = wd.wdequant_matmul(x2, flat(w), scales, fmt=fmt, p=p, out_dtype=out_dtype,
                            tile_expert=te, expert_n=n, interpret=interpret)
     return wd.finish(y, p.splits, x_rows.shape[0], n, out_dtype)

@@ -268,11 +268,11 @@ def scale_shapes(fmt: str, n: int, k: int, experts: int | None = None) -> list[t
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "p", "out_dtype", "expert_n", "interpret"))
-def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=None, expert_n=None,
+def wdequant_matmul(x, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=None, expert_n=None,
                     interpret=False):
     """Runs the kernel on operands padded along N and K.
 
-    xs      (x [M, K] bf16,); nvfp4: x in the engine's K order (``fp4.order_x``);
+    x       [M, K] bf16; nvfp4: in the engine's K order (``fp4.order_x``);
             M <= TMA_ROWS or a multiple of TMA_ROWS
     w       [N, K] e4m3 (mxfp8, fp8_block), [N, K/2] uint8 (nvfp4) or [N, K] bf16 (bf16)
     scales  mxfp8: (weight_scale uint8 [K/32, N],); fp8_block: (weight_scale_inv f32 [N/128, K/128],);
@@ -296,7 +296,7 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
     bm, tk, splits, stages = p.bm, p.tk, p.splits, p.stages
     k = w.shape[1] * (2 if fmt == "nvfp4" else 1)
     nk = k // tk // splits
-    rows = xs[0].shape[0]
+    rows = x.shape[0]
     mp = round_up(rows, bm)                      # rows past x's end load as zeros (TMA)
     if (n % BN or k % (tk * splits) or (rows > TMA_ROWS and rows % TMA_ROWS)
             or (grouped and tile_expert.shape != (rows // bm,))):
@@ -317,35 +317,26 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
     if fmt == "mxfp8":
         groups, gw = tk // 32, 32                    # 32-column groups, one scale each
         w_block, w_tr = (BN, tk), smem_tile(jnp.float8_e4m3fn, tk)
-        x_blocks = [(bm, tk)]
         op_tr = smem_tile(bf16, tk, swizzle=64)
-        wdq_shape = (2, 1, BN, tk)
     elif fmt == "fp8_block":
         groups, gw = tk // min(128, tk), min(128, tk)  # one 128x128 scale block per group
         w_block, w_tr = (BN, tk), smem_tile(jnp.float8_e4m3fn, tk)
-        x_blocks = [(bm, tk)]
         op_tr = smem_tile(bf16, tk)
-        wdq_shape = (2, 1, BN, tk)
     elif fmt == "nvfp4":
         groups, gw = tk // 32, 32                    # 32-column slice pairs of the operand order
         w_block, w_tr = (BN, tk // 2), smem_tile(jnp.uint8, tk // 2)
-        x_blocks = [(bm, tk)]
         op_tr = smem_tile(bf16, tk, swizzle=64)
-        wdq_shape = (2, 1, BN, tk)           # (allocated only for the interpreter)
     elif fmt == "bf16":
         w_block, w_tr = (BN, tk), smem_tile(bf16, tk)
-        x_blocks = [(bm, tk)]
         op_tr = smem_tile(bf16, tk)
     else:
         raise ValueError(f"unknown format {fmt!r}")
+    wdq_shape = (2, 1, BN, tk)       # the double-buffered dequantized tile, where it is staged in SMEM
 
-    def kernel(*refs):
-        nx = len(xs)
-        x_gmem = refs[:nx]
-        w_gmem = refs[nx]
-        s_gmem = refs[nx + 1:nx + 1 + len(scales)]
-        te_gmem = refs[nx + 1 + len(scales)] if grouped else None
-        o_gmem, *wdq, o_smem = refs[nx + 1 + len(scales) + grouped:]
+    def kernel(x_gmem, w_gmem, *refs):
+        s_gmem = refs[:len(scales)]
+        te_gmem = refs[len(scales)] if grouped else None
+        o_gmem, *wdq, o_smem = refs[len(scales) + grouped:]
         nb = lax.axis_index("n")
         mb = lax.axis_index("m")
         ks = lax.axis_index("k")
@@ -380,7 +371,7 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
 
             def dequant_groups(w_smem, sc):
                 """Yields, per column group j of the step (32 columns; block FP8: up to 128), its
-                dequantized bf16 operand(s)."""
+                dequantized bf16 operand."""
                 if fmt == "nvfp4":
                     yield from nvfp4_groups(w_smem, sc)
                     return
@@ -393,8 +384,8 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
 
             def dequant_group(v, sc, j):
                 if fmt == "fp8_block":
-                    return ((v * sc[j]).astype(bf16),)
-                return (v * lax.broadcast_in_dim(sc[j], v.shape, [0]),)
+                    return (v * sc[j]).astype(bf16)
+                return v * lax.broadcast_in_dim(sc[j], v.shape, [0])
 
             def nvfp4_groups(w_smem, s_smem):
                 """NVFP4: the step's slice pairs in the operand order of ``fp4.order_x``, decoded
@@ -402,45 +393,37 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
                 if interpret:
                     v = fp4.engine_values(w_smem[...], s_smem[...], tk)
                     for j in range(groups):
-                        yield (v[:, gw * j:gw * (j + 1)],)
+                        yield v[:, gw * j:gw * (j + 1)]
                     return
-                for v in fp4.step_fragments(w_smem, s_smem, tk=tk, w_transforms=w_tr):
-                    yield (v,)
+                yield from fp4.step_fragments(w_smem, s_smem, tk=tk, w_transforms=w_tr)
 
             def dequant(w_smem, buf, sc):
-                for j, parts in enumerate(dequant_groups(w_smem, sc)):
-                    cols = pl.ds(gw * j, gw)
-                    for part, v in enumerate(parts):
-                        buf.at[part, :, cols][...] = v
+                for j, v in enumerate(dequant_groups(w_smem, sc)):
+                    buf.at[0, :, pl.ds(gw * j, gw)][...] = v
 
             def compute(acc):
-                def body(idx, w_smem, *rest):
+                def body(idx, w_smem, x_smem, *rest):
                     (kk,) = idx
-                    s_smem = rest[-1] if staged else None
-                    x_smems = rest[:-1] if staged else rest
+                    s_smem = rest[0] if staged else None
                     sc = step_scales(s_smem, kk) if dequantizing else ()
                     if fmt == "bf16":        # the TMA tile is the wgmma operand
-                        plgpu.wgmma(acc, w_smem, x_smems[0].T)
+                        plgpu.wgmma(acc, w_smem, x_smem.T)
                         plgpu.wgmma_wait(0)
                         return
                     if register_a:
-                        for j, parts in enumerate(dequant_groups(w_smem, sc)):
-                            cols = pl.ds(gw * j, gw)
-                            for part, v in enumerate(parts):
-                                plgpu.wgmma(acc, v, x_smems[part].at[:, cols].T)
+                        for j, v in enumerate(dequant_groups(w_smem, sc)):
+                            plgpu.wgmma(acc, v, x_smem.at[:, pl.ds(gw * j, gw)].T)
                         plgpu.wgmma_wait(0)
                         return
                     buf = wdq[0].at[lax.rem(kk, 2)]
                     dequant(w_smem, buf, sc)
                     plgpu.commit_smem()
-                    for part, x_smem in enumerate(x_smems):
-                        plgpu.wgmma(acc, buf.at[part], x_smem.T)
+                    plgpu.wgmma(acc, buf.at[0], x_smem.T)
                     plgpu.wgmma_wait(1)
 
-                in_specs = [plgpu.BlockSpec(w_block, lambda kk: (wb, k0 + kk), transforms=w_tr)]
-                in_specs += [plgpu.BlockSpec(blk, lambda kk: (mb, k0 + kk), transforms=op_tr, delay_release=1)
-                             for blk in x_blocks]
-                srcs = [w_gmem, *x_gmem]
+                in_specs = [plgpu.BlockSpec(w_block, lambda kk: (wb, k0 + kk), transforms=w_tr),
+                            plgpu.BlockSpec((bm, tk), lambda kk: (mb, k0 + kk), transforms=op_tr, delay_release=1)]
+                srcs = [w_gmem, x_gmem]
                 if staged:
                     in_specs.append(plgpu.BlockSpec((tk // SCALE_BLOCK[fmt], BN), lambda kk: (k0 + kk, nb)))
                     srcs.append(s_gmem[0].at[e] if grouped else s_gmem[0])
@@ -474,7 +457,7 @@ def wdequant_matmul(xs, w, scales, *, fmt: str, p: Plan, out_dtype, tile_expert=
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **common.interpret_kwargs(interpret),
     )
-    return call(*xs, w, *scales, *((tile_expert,) if grouped else ()))
+    return call(x, w, *scales, *((tile_expert,) if grouped else ()))
 
 
 def store_tile(acc_t, o_smem, o_gmem, ks, splits: int, rows, cols) -> None:
@@ -509,8 +492,8 @@ def matmul_padded(fmt: str, x2, w, scales, n: int, out_dtype, interpret=False, *
             return finish(y, c.splits, m, n, out_dtype)
     p = plan(m, w.shape[0], kp, fmt, **plan_overrides)
     xp = x2 if m <= TMA_ROWS else pad_rows(x2, round_up(m, p.bm))     # see the module docstring
-    xs = (fp4.order_x(xp, p.tk),) if fmt == "nvfp4" else (xp,)
-    y = wdequant_matmul(xs, w, scales, fmt=fmt, p=p, out_dtype=out_dtype, interpret=interpret)
+    xp = fp4.order_x(xp, p.tk) if fmt == "nvfp4" else xp
+    y = wdequant_matmul(xp, w, scales, fmt=fmt, p=p, out_dtype=out_dtype, interpret=interpret)
     return finish(y, p.splits, m, n, out_dtype)
 
 

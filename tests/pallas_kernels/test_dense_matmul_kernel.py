@@ -78,7 +78,7 @@ def test_decode_rows_are_not_padded_in_hbm():
     assert pads(12) == 1
     x, w = make(12, 128, 256)
     with pytest.raises(ValueError, match="not padded"):
-        wd.wdequant_matmul((x,), w, (), fmt="bf16", p=wd.plan(12, 128, 256, "bf16"), out_dtype=jnp.float32,
+        wd.wdequant_matmul(x, w, (), fmt="bf16", p=wd.plan(12, 128, 256, "bf16"), out_dtype=jnp.float32,
                            interpret=True)
 
 
