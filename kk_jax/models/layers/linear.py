@@ -119,7 +119,7 @@ class Linear(nnx.Module):
         n, k = self.out_features, self.in_features
         try:
             specs = quant_tensor_specs(method, n, k, block, optional)
-            _check_tp_layout(method, n, k, self.axes, mesh, block)
+            check_tp_layout(method, n, k, (_tp_shards(self.axes, mesh, 0), _tp_shards(self.axes, mesh, 1)), block)
         except QuantLayoutError as e:
             raise QuantLayoutError(f"{name or 'linear'}: {e}") from None
         for suffix, (shape, dtype, sharded) in specs.items():
@@ -208,7 +208,7 @@ class FusedLinear(nnx.Module):
             return
         try:
             specs = quant_tensor_specs(method, n, k, block, optional)
-            _check_tp_layout(method, n, k, self.axes, mesh, block)
+            check_tp_layout(method, n, k, (_tp_shards(self.axes, mesh, 0), _tp_shards(self.axes, mesh, 1)), block)
         except QuantLayoutError as e:
             members = ", ".join(m for m, _ in self.members)
             raise QuantLayoutError(f"{name or 'fused linear'} ({members}): {e}") from None
@@ -393,16 +393,13 @@ def _tp_shards(axes, mesh, dim: int) -> int:
     return mesh.shape[TP] if tuple(spec(axes))[dim] == TP else 1
 
 
-def _check_tp_layout(method, n, k, axes, mesh, block) -> None:
-    """Each tensor-parallel shard must hold whole scale blocks."""
-    for dim, size in ((0, n), (1, k)):
-        shards = _tp_shards(axes, mesh, dim)
-        if shards == 1:
-            continue
-        local = size // shards
-        unit = {"fp8_block": block[dim], "mxfp8": (1, 32)[dim], "nvfp4": (1, 16)[dim]}[method]
-        if size % shards or local % unit:
-            raise QuantLayoutError(f"tp={shards} splits dimension {dim} of size {size} into shards of {local}, "
+def check_tp_layout(method, n, k, shards: tuple[int, int], block) -> None:
+    """Each tensor-parallel shard of an [N, K] weight split ``shards`` = (N ways, K ways) must
+    hold whole scale blocks."""
+    units = {"fp8_block": tuple(block), "mxfp8": (1, 32), "nvfp4": (1, 16)}[method]
+    for what, size, parts, unit in (("output", n, shards[0], units[0]), ("input", k, shards[1], units[1])):
+        if parts > 1 and (size % parts or (size // parts) % unit):
+            raise QuantLayoutError(f"tp={parts} splits the {what} dimension {size} into shards of {size // parts}, "
                                    f"not a multiple of the {method} scale block ({unit})")
 
 

@@ -168,7 +168,7 @@ class Experts(nnx.Module):
     def quantize_(self, proj: str, method: str, *, block=(128, 128), optional: Iterable[str] = (), mesh=None,
                   name: str = "") -> None:
         """Re-declares projection ``proj`` for ``method`` (zeros of the stacked quantized layout)."""
-        from kk_jax.models.layers.linear import QuantLayoutError, quant_tensor_specs
+        from kk_jax.models.layers.linear import QuantLayoutError, check_tp_layout, quant_tensor_specs
 
         var = getattr(self, proj)
         e, k, n = var.shape
@@ -176,7 +176,9 @@ class Experts(nnx.Module):
         axes = (lead, n_axis, k_axis)                                    # checkpoint orientation [E, N, K']
         try:
             specs = quant_tensor_specs(method, n, k, block, optional)
-            _check_expert_tp(method, k, n, axes, mesh, block)
+            tp = mesh.shape[TP] if mesh is not None and TP in mesh.shape else 1
+            parts = tuple(spec(axes))
+            check_tp_layout(method, n, k, (tp if parts[1] == TP else 1, tp if parts[2] == TP else 1), block)
         except QuantLayoutError as err:
             raise QuantLayoutError(f"{name or 'experts'}.{proj}: {err}") from None
         for suffix, (shape, dtype, sharded) in specs.items():
@@ -197,24 +199,6 @@ class Experts(nnx.Module):
     def suffixes(self, proj: str) -> tuple:
         """Checkpoint suffixes of :meth:`operands` (``weight`` first)."""
         return OPERANDS[self.quant[self.PROJS.index(proj)]]
-
-
-def _check_expert_tp(method, k, n, axes, mesh, block) -> None:
-    """Each tensor-parallel shard must hold whole scale blocks of the stacked [E, N, K'] layout
-    (and, for the grouped kernel, whole 64-row weight tiles: checked where it is chosen)."""
-    from kk_jax.models.layers.linear import QuantLayoutError
-
-    if mesh is None or TP not in mesh.shape or mesh.shape[TP] == 1:
-        return
-    tp = mesh.shape[TP]
-    parts = tuple(spec(axes))
-    units = {"fp8_block": (block[0], block[1]), "mxfp8": (1, 32), "nvfp4": (1, 16)}[method]    # (N, K)
-    for dim, size, unit in ((1, n, units[0]), (2, k, units[1])):
-        if parts[dim] != TP:
-            continue
-        if size % tp or (size // tp) % unit:
-            raise QuantLayoutError(f"tp={tp} splits the {'output' if dim == 1 else 'input'} dimension {size} into "
-                                   f"shards of {size // tp}, not a multiple of the {method} scale block ({unit})")
 
 
 def dequantize_stacked(method: str | None, ops: tuple, block=(128, 128), dtype=jnp.float32) -> jax.Array:
