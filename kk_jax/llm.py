@@ -55,20 +55,20 @@ class LLM:
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        added = []
+        final: dict[str, RequestOutput] = {}
         try:
             for rid, prompt, p in zip(ids, prompts, plist):
                 self.engine.add_request(rid, list(prompt) if not isinstance(prompt, str) else prompt, p)
-                added.append(rid)
-        except Exception:
-            for rid in added:
-                self.engine.abort(rid)
+            mine = set(ids)
+            while len(final) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in mine:
+                        final[out.request_id] = out
+        except BaseException:                 # an error or an interrupt (Ctrl-C): nothing of this call stays queued
+            for rid in ids:
+                if rid not in final:
+                    self.engine.abort(rid)
             raise
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
         return [final[i] for i in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,

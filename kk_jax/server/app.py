@@ -108,6 +108,11 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
         if req.presence_penalty or req.frequency_penalty:
             raise APIError(400, "presence_penalty and frequency_penalty are not supported; leave them at 0",
                            "presence_penalty" if req.presence_penalty else "frequency_penalty")
+        for name, value in (req.model_extra or {}).items():
+            if name in P.UNSUPPORTED and value not in P.UNSUPPORTED[name]:
+                raise APIError(400, f"{name} is not supported; leave it out", name)
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
         try:
             return SamplingParams(max_tokens=max_tokens,
                                   temperature=1.0 if req.temperature is None else req.temperature,
@@ -193,6 +198,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
         return [finals[i] for i in range(len(items))]
 
     def usage(outs: list[RequestOutput], prompt_counts: list[int]) -> dict:
+        """OpenAI usage: each prompt counted once (not once per choice of ``n``), every completion."""
         p = sum(prompt_counts)
         c = sum(len(o.token_ids) for o in outs)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
@@ -281,6 +287,9 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
                 seed = None if req.seed is None else req.seed + k
                 items.append((P.new_id("cmpl-req"), pid, sampling(req, mt, req.logprobs, seed)))
                 meta.append(pi)
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs (the prompt's logprobs) is not supported; drop one of them",
+                           "echo")
         echo = [tok.decode(pid, skip_special_tokens=False) if req.echo else "" for pid in ids]
         rid, created = P.new_id("cmpl"), int(time.time())
 
@@ -292,12 +301,12 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
                 choices.append({"index": i, "text": pre + o.text, "finish_reason": o.finish_reason,
                                 "logprobs": completion_logprobs(o, False, len(pre))})
             return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                    "choices": choices, "usage": usage(outs, [len(ids[m]) for m in meta])}
+                    "choices": choices, "usage": usage(outs, [len(pid) for pid in ids])}
 
         sent = {i: len(echo[meta[i]]) for i in range(len(items))}
 
         def choices(i: int, out: RequestOutput) -> list[dict]:
-            if not out.new_text and not out.finished:
+            if not out.new_text and not out.finished and not (out.logprobs and out.new_token_ids):
                 return []
             lp = completion_logprobs(out, True, sent[i])
             sent[i] += len(out.new_text)
@@ -308,7 +317,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
                 for i in range(len(items))] if req.echo else []
         envelope = {"id": rid, "object": "text_completion", "created": created, "model": model}
         return await streaming_response(items, envelope, req.stream_options, head, choices,
-                                        [len(ids[m]) for m in meta])
+                                        [len(pid) for pid in ids])
 
     def chat_prompt(req: P.ChatCompletionRequest) -> tuple[list[int], ToolPlan | None]:
         """Prompt ids of a chat request and its tool plan (None when no tools are in play)."""
@@ -385,7 +394,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
                     delta = {"tool_calls": [{"index": pickers[i].count - 1, **call}]}
                 out_choices.append({"index": i, "delta": delta, "logprobs": lp, "finish_reason": None})
                 lp = None
-            if lp is not None and not out.finished:
+            if lp is not None:
                 out_choices.append({"index": i, "delta": {"content": ""}, "logprobs": lp, "finish_reason": None})
             if out.finished:
                 reason = "tool_calls" if pickers[i].count else out.finish_reason
@@ -414,11 +423,11 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
                 choices.append({"index": i, "message": msg, "logprobs": chat_logprobs(o, False, top),
                                 "finish_reason": "tool_calls" if called else o.finish_reason})
             return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                    "choices": choices, "usage": usage(outs, [len(ids)] * len(outs))}
+                    "choices": choices, "usage": usage(outs, [len(ids)])}
 
         def text_choices(i: int, out: RequestOutput) -> list[dict]:
             out_choices = []
-            if out.new_text or (out.logprobs and out.new_token_ids and not out.finished):
+            if out.new_text or (out.logprobs and out.new_token_ids):
                 out_choices.append({"index": i, "delta": {"content": out.new_text},
                                     "logprobs": chat_logprobs(out, True, top), "finish_reason": None})
             if out.finished:
@@ -429,7 +438,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
         head = [[{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
                 for i in range(len(items))]
         envelope = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        return await streaming_response(items, envelope, req.stream_options, head, choices, [len(ids)] * len(items))
+        return await streaming_response(items, envelope, req.stream_options, head, choices, [len(ids)])
 
     @app.post("/tokenize", response_model=P.TokenizeResponse)
     async def tokenize(req: P.TokenizeRequest):

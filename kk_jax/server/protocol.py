@@ -4,14 +4,20 @@ extensions: ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``)."""
 from __future__ import annotations
 
 import time
+import typing
 import uuid
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kk_jax.engine.request import MAX_LOGPROBS
 
 MAX_N = 32
+# OpenAI / vLLM request fields this server does not implement: {name: the values that mean "off"};
+# any other value is refused with a 400 rather than silently ignored
+UNSUPPORTED = {"logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""), "repetition_penalty": (None, 1),
+               "min_tokens": (None, 0), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+               "guided_grammar": (None,), "logits_processors": (None, [])}
 
 
 def new_id(prefix: str) -> str:
@@ -26,6 +32,17 @@ class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions (OpenAI + vLLM extensions)."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """``null`` for a field that is not nullable here (``n``, ``stream``, ``echo``, ...) means
+        its default, as OpenAI's and vLLM's APIs take it."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or type(None) in typing.get_args(fields[k].annotation)}
 
     model: Optional[str] = None
     temperature: Optional[Annotated[float, Field(ge=0.0)]] = None

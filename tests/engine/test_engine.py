@@ -91,6 +91,26 @@ def test_abort_frees_pages_immediately(llm):
     assert engine.pages.num_free == engine.pages.capacity and not engine.has_unfinished()
 
 
+def test_interrupted_generate_leaves_nothing_behind(llm, monkeypatch):
+    """An error or Ctrl-C inside ``generate`` aborts that call's requests; the next call works."""
+    real, calls = llm.engine.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["Hello", "World"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    monkeypatch.undo()
+    st = llm.engine.stats()
+    assert st["running"] == 0 and st["waiting"] == 0 and st["pages_free"] == st["pages_total"]
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(out) == 1 and out[0].finished
+
+
 def test_stop_strings_are_honoured_and_not_emitted(llm):
     prompt = "Hello, how are you today?"
     base = llm.generate(prompt, SamplingParams(max_tokens=30, **GREEDY))[0]

@@ -47,7 +47,25 @@ CASES = [
     ("json response format", CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400,
      "not supported", "response_format"),
     ("penalties", CHAT, {"messages": MSG, "presence_penalty": 0.5}, 400, "not supported", "presence_penalty"),
+    ("logit_bias", CHAT, {"messages": MSG, "logit_bias": {"5": -100}}, 400, "logit_bias is not supported", "logit_bias"),
+    ("best_of", COMP, {"prompt": "hi", "best_of": 3}, 400, "best_of is not supported", "best_of"),
+    ("stream_options without stream", CHAT, {"messages": MSG, "stream_options": {"include_usage": True}}, 400,
+     "only allowed with stream=true", "stream_options"),
+    ("echo with logprobs", COMP, {"prompt": "hi", "max_tokens": 1, "echo": True, "logprobs": 1}, 400,
+     "echo with logprobs", "echo"),
 ]
+
+
+def test_null_means_the_default(live):
+    """Clients that send unset fields as null (OpenAI's spec allows it for n, stream, echo,
+    logprobs, ...) get the defaults; harmless values of unsupported fields pass."""
+    with httpx.Client(base_url=live.url, timeout=30) as c:
+        r = c.post(CHAT, json={"messages": MSG, "max_tokens": 2, "n": None, "stream": None, "logprobs": None,
+                               "ignore_eos": None, "add_generation_prompt": None, "logit_bias": None, "best_of": 1})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+        r = c.post(COMP, json={"prompt": "hi", "max_tokens": 2, "echo": None, "n": None, "logit_bias": {}})
+        assert r.status_code == 200 and not r.json()["choices"][0]["text"].startswith("hi"), r.text
 
 
 @pytest.mark.parametrize("name,path,body,status,fragment,param", CASES, ids=[c[0] for c in CASES])

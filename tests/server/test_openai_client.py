@@ -61,6 +61,8 @@ def test_completions_text_ids_list_echo_and_n(client, llm):
     r3 = client.completions.create(model="tiny", prompt=["Once upon a time", "Hello"], max_tokens=5,
                                    temperature=0.8, n=2, seed=3)
     assert [c.index for c in r3.choices] == [0, 1, 2, 3]
+    hello = len(llm.tokenizer.encode("Hello"))
+    assert r3.usage.prompt_tokens == len(want.prompt_token_ids) + hello          # each prompt once, not once per n
     assert r3.choices[0].text.startswith(llm.generate("Once upon a time", SamplingParams(
         max_tokens=5, temperature=0.8, seed=3))[0].text)
 
@@ -80,6 +82,26 @@ def test_logprobs(client):
     content = c.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
     assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob, abs=1e-5)
+    assert c.usage.prompt_tokens == client.chat.completions.create(
+        model="tiny", messages=MSGS, max_tokens=4, temperature=0, n=3).usage.prompt_tokens
+
+
+def test_streamed_logprobs_match_non_streamed(client):
+    """Every generated token's logprob reaches the stream, also where its text is held back (a
+    stop string's prefix, a partial character) or empty (the final EOS)."""
+    base = client.completions.create(model="tiny", prompt="The weather", max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[len(base) // 2: len(base) // 2 + 2] + "\x00never"         # a prefix held back, never matched
+    kw = dict(model="tiny", prompt="The weather", max_tokens=30, temperature=0, logprobs=1, stop=[stop])
+    whole = client.completions.create(**kw).choices[0].logprobs.token_logprobs
+    streamed = [x for c in client.completions.create(stream=True, **kw) if c.choices[0].logprobs
+                for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(whole) and len(whole) == 30
+    kw = dict(model="tiny", messages=MSGS, max_tokens=40, temperature=0, logprobs=True)
+    whole = client.chat.completions.create(**kw).choices[0].logprobs.content
+    streamed = [t for c in client.chat.completions.create(stream=True, **kw) if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in whole]
 
 
 def test_stop_strings_are_not_emitted(client):
