@@ -22,7 +22,10 @@ class SamplingParams:
     """vLLM-compatible sampling parameters.
 
     temperature 0 means greedy. top_k -1 (or 0) disables top-k; top_p 1 and min_p 0 disable
-    theirs. ``seed`` makes a request's samples reproducible regardless of batching.
+    theirs. ``seed`` makes a request's random draws its own, whatever else is batched with it;
+    the logits they sample from are batch-independent in fp32 and for bf16 Qwen3, but bf16
+    GLM-5.3 models are not batch-invariant: their logits, and so a greedy or seeded result,
+    can change with what is batched with the request.
     ``logprobs`` = n returns the sampled token's logprob and the top-n alternatives.
     """
 
