@@ -255,7 +255,8 @@ class EngineConfig:
                                           # reading this one's tokens (the host's work overlaps the device's)
     seed: int = 0
     compilation_cache_dir: str | None = None
-    load_mtp: bool = False                # also load the model's MTP (NextN) block, for speculative decoding
+    load_mtp: bool = False                # also load the model's MTP (NextN) block and its cache pools
+                                          # (loaded only: no decode step runs it yet)
     scan_layers: bool = True              # a model's repeating layer groups run as one scanned body
                                           # (compiled once; off: every layer unrolled)
     fp8_activations: bool = False         # block-FP8 linears run W8A8 (activations to e4m3 per 1x128 group,

@@ -11,7 +11,7 @@ pooled index-key pages and the indexer's open-group ``tail`` slot. The repeating
 groups (``layer_scan``) is declared stacked before loading and scanned, so that a 45-layer trunk
 compiles 9 layer bodies (``layers.scan``). The vision tower
 (``model.visual.*``) and the MTP block (layer ``num_hidden_layers``) are not served yet; their
-tensors are accepted and skipped.
+tensors are accepted and skipped (the MTP block is loaded with ``load_mtp``, but nothing runs it).
 """
 
 from __future__ import annotations
@@ -151,7 +151,8 @@ class Glm5Outer(nnx.Module):
 
 
 class Glm5NextForConditionalGeneration(nnx.Module):
-    """``mtp=True`` also builds (and so loads) the MTP block, for speculative decoding."""
+    """``mtp=True`` also builds (and so loads) the MTP block (:meth:`mtp_hidden`, which no
+    decode step calls yet)."""
 
     config_class = Glm5NextConfig
     has_mtp = True

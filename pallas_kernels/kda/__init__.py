@@ -21,11 +21,13 @@ N sequences, S state-pool slots, Ts speculative tokens per sequence.
       from a zero state (a reused slot's first token) instead of reading the slot.
 
     o, states = kda_verify(q, k, v, g, beta, state_pool, slots, *, ..., backend="pallas")
-      Ts draft tokens per row (q, k [N,Ts,H,K] ...) from the slots' states; the pool is NOT
-      modified. states [N,Ts,HV,K,V] fp32: states[:, i] is the state after token i.
+      Ts = 1 + K tokens per row (the last committed token t0, then K drafts; q, k [N,Ts,H,K]
+      ...) from the slots' states; the pool is NOT modified. states [N,Ts,HV,K,V] fp32:
+      states[:, i] is the state after token i.
     state_pool = kda_commit(state_pool, slots, states, num_accepted)
-      writes states[n, num_accepted[n] - 1] to slot slots[n]; num_accepted[n] == 0 keeps the
-      slot as it was. verify + commit(a) == decoding those a tokens one by one.
+      writes states[n, num_accepted[n] - 1] to slot slots[n]: num_accepted counts t0, so it is
+      n_acc + 1 for n_acc accepted drafts (at least 1 for a real row); 0 keeps the slot as it
+      was (padding). verify + commit(a) == decoding those a tokens one by one.
 
     g = kda_gate(f, A_log, dt_bias, lower_bound=-5.0, backend="pallas")
       GLM-5.3 / fla safe gate: g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)), fp32.
@@ -113,7 +115,8 @@ def kda_commit(state_pool, slots, states, num_accepted):
   """Commits the state after each row's accepted prefix to its slot.
 
   state_pool [S,HV,K,V]; slots [N]; states [N,Ts,HV,K,V] from kda_verify; num_accepted [N]
-  int in [0, Ts]. Row n gets states[n, num_accepted[n] - 1]; 0 accepted keeps the slot.
+  int in [0, Ts], counting the window's first token t0 (n_acc accepted drafts: n_acc + 1).
+  Row n gets states[n, num_accepted[n] - 1]; 0 keeps the slot (padding rows).
   Padding rows use slot 0 (dummy). Pure scatter, identical for both backends.
   """
   n, ts = states.shape[:2]
