@@ -104,7 +104,8 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
         return cfg.served_model_names[0]
 
     # ------------------------------------------------------------------ helpers
-    def sampling(req, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
+    def check_request(req) -> None:
+        """400 for request fields this server does not implement, once per request."""
         if req.presence_penalty or req.frequency_penalty:
             raise APIError(400, "presence_penalty and frequency_penalty are not supported; leave them at 0",
                            "presence_penalty" if req.presence_penalty else "frequency_penalty")
@@ -113,6 +114,11 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
                 raise APIError(400, f"{name} is not supported; leave it out", name)
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
+        if getattr(req, "echo", False) and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs (the prompt's logprobs) is not supported; drop one of them",
+                           "echo")
+
+    def sampling(req, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
         try:
             return SamplingParams(max_tokens=max_tokens,
                                   temperature=1.0 if req.temperature is None else req.temperature,
@@ -275,6 +281,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     @app.post("/v1/completions", dependencies=[Depends(auth)], response_model=P.CompletionResponse)
     async def completions(req: P.CompletionRequest, raw: Request):
         model = check_model(req.model)
+        check_request(req)
         p = req.prompt
         if isinstance(p, list) and not p:
             raise APIError(400, "prompt must not be empty", "prompt")
@@ -287,9 +294,6 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
                 seed = None if req.seed is None else req.seed + k
                 items.append((P.new_id("cmpl-req"), pid, sampling(req, mt, req.logprobs, seed)))
                 meta.append(pi)
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs (the prompt's logprobs) is not supported; drop one of them",
-                           "echo")
         echo = [tok.decode(pid, skip_special_tokens=False) if req.echo else "" for pid in ids]
         rid, created = P.new_id("cmpl"), int(time.time())
 
@@ -405,6 +409,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)], response_model=P.ChatCompletionResponse)
     async def chat(req: P.ChatCompletionRequest, raw: Request):
         model = check_model(req.model)
+        check_request(req)
         ids, plan = chat_prompt(req)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
