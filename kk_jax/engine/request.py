@@ -22,10 +22,11 @@ class SamplingParams:
     """vLLM-compatible sampling parameters.
 
     temperature 0 means greedy. top_k -1 (or 0) disables top-k; top_p 1 and min_p 0 disable
-    theirs. ``seed`` makes a request's random draws its own, whatever else is batched with it;
-    the logits they sample from are batch-independent in fp32 and for bf16 Qwen3, but bf16
-    GLM-5.3 models are not batch-invariant: their logits, and so a greedy or seeded result,
-    can change with what is batched with the request.
+    theirs. ``seed`` makes a request's random draws its own, whatever else is batched with it.
+    The logits they sample from are not bit-exact across batches: XLA picks its matmul and
+    reduction tilings by the batch's shape, so what is batched with a request moves its logits
+    at the rounding level (about 1e-6 for Qwen3, in fp32 and bf16). A bf16 MoE model (GLM-5.3)
+    can turn such a difference into another expert choice and so another greedy or seeded token.
     ``logprobs`` = n returns the sampled token's logprob and the top-n alternatives.
     """
 
