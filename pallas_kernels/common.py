@@ -171,6 +171,21 @@ _SPLIT_PAIR = """{
 }"""
 
 
+def bf16x2_word(lo, hi):
+    """Inline: fp32 ``lo``, ``hi`` -> one bf16x2 word (i32, ``lo`` in the low half), each rounded
+    to the nearest even bf16."""
+    return llvm.inline_asm(ir.IntegerType.get_signless(32), [lo, hi], _CVT_PAIR, "=r,f,f")
+
+
+def e4m3x2_to_f32(pair):
+    """Inline: i16 holding two e4m3 bytes -> [fp32 of the low byte, fp32 of the high byte], exact
+    (`cvt.rn.f16x2.e4m3x2`, then f16 -> fp32)."""
+    f32x2 = ir.VectorType.get((2,), ir.F32Type.get())
+    h = llvm.inline_asm(ir.IntegerType.get_signless(32), [pair], "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h")
+    v = arith.extf(f32x2, mgpu_utils.bitcast(h, ir.VectorType.get((2,), ir.F16Type.get())))
+    return [vector.extract(v, [], [0]), vector.extract(v, [], [1])]
+
+
 def _pairwise_bf16(x, layout, asm, n_out):
     """``n_out`` bf16 arrays of ``x``'s shape from fp32 ``x`` (in ``layout``), each pair of
     elements turned into ``n_out`` bf16x2 words by the PTX ``asm``."""

@@ -46,7 +46,8 @@ from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import CTA_SMEM_RESERVE, SMEM_PER_SM, cst, hand_synced, interpret_kwargs, ix, num_sms
+from pallas_kernels.common import (CTA_SMEM_RESERVE, SMEM_PER_SM, bf16x2_word, cst, e4m3x2_to_f32, hand_synced,
+                                    interpret_kwargs, ix, num_sms)
 
 ROWS = 16                    # weight rows per item (and per tile)
 ROW_BYTES = 1024             # bytes of codes per row and tile: 8 per thread
@@ -108,16 +109,9 @@ def row_scales(block: int, per_thread: int, convert: Callable, values: Callable)
 def decode_e4m3_word(word):
     """The 4 e4m3 bytes of a word as fp32, in byte order: two per `cvt.rn.f16x2.e4m3x2` (exact),
     then exact f16 -> fp32."""
-    i16, i32, f32 = (ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32),
-                     ir.F32Type.get())
-    half2 = ir.VectorType.get((2,), ir.F16Type.get())
-    vals = []
-    for shift in (0, 16):
-        pair = arith.trunci(i16, arith.shrui(word, mgpu_utils.c(shift, i32)) if shift else word)
-        h = llvm.inline_asm(i32, [pair], "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h")
-        v = arith.extf(ir.VectorType.get((2,), f32), mgpu_utils.bitcast(h, half2))
-        vals += [vector.extract(v, [], [0]), vector.extract(v, [], [1])]
-    return vals
+    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+    return [v for shift in (0, 16)
+            for v in e4m3x2_to_f32(arith.trunci(i16, arith.shrui(word, mgpu_utils.c(shift, i32)) if shift else word))]
 
 
 def decode_e4m3(w0, w1):
@@ -264,7 +258,7 @@ def _bf16_rounded(vals):
     i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
     out = []
     for lo, hi in zip(vals[::2], vals[1::2]):
-        pair = llvm.inline_asm(i32, [hi, lo], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
+        pair = bf16x2_word(lo, hi)
         out += [arith.bitcast(f32, arith.shli(pair, mgpu_utils.c(16, i32))),
                 arith.bitcast(f32, arith.andi(pair, mgpu_utils.c(-(1 << 16), i32)))]
     return out

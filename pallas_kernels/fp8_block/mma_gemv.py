@@ -18,11 +18,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, memref
+from jax._src.lib.mlir.dialects import arith, memref
 from jax.experimental import pallas as pl
 
 from pallas_kernels import mma_gemv, row_gemv
-from pallas_kernels.common import cst, ix
+from pallas_kernels.common import bf16x2_word, cst, ix
 
 BLOCK = 128
 _BOX = 4                     # block scales a TMA copy brings: 16 bytes
@@ -31,9 +31,8 @@ _TILE_BLOCKS = mma_gemv.TILE_BYTES // BLOCK
 
 def _operands(word, scale):
     """bf16x2 (bf16(w_i * s), bf16(w_{i+2} * s)) for i = 0, 1."""
-    i32 = ir.IntegerType.get_signless(32)
     v = [arith.mulf(w, scale) for w in row_gemv.decode_e4m3_word(word)]
-    return [llvm.inline_asm(i32, [v[i + 2], v[i]], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f") for i in range(2)]
+    return [bf16x2_word(v[i], v[i + 2]) for i in range(2)]
 
 
 def _read(view, kb):

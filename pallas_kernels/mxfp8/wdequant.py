@@ -176,15 +176,16 @@ SCALE_BLOCK = {"mxfp8": 32, "nvfp4": 16}
 MIN_STEP = {"mxfp8": 64, "nvfp4": min(fp4.ENGINE_STEPS)}
 
 
-def smem_bytes(fmt: str, bm: int, tk: int, stages: int, out_bytes: int = 4) -> int:
+def smem_bytes(fmt: str, bm: int, tk: int, stages: int) -> int:
     """Shared memory of one CTA as compiled for the GPU: pipelined weight, activation and scale
     tiles, the double-buffered dequantized tile (block FP8 at prefill tiles only: the other
-    dequantizing tiles feed wgmma from registers, bf16 from its TMA tile), output."""
+    dequantizing tiles feed wgmma from registers, bf16 from its TMA tile), output (counted at
+    fp32, the widest output dtype, so one plan fits either)."""
     w_step = BN * {"nvfp4": tk // 2, "bf16": 2 * tk}.get(fmt, tk)
     x_step = bm * tk * (1 if fmt == "fp8_w8a8" else 2)
     s_step = BN * tk // SCALE_BLOCK[fmt] if fmt in SCALE_BLOCK else 0
     wdq = 2 * BN * tk * 2 if fmt == "fp8_block" and bm > 64 else 0
-    return stages * (w_step + x_step + s_step) + wdq + bm * BN * out_bytes
+    return stages * (w_step + x_step + s_step) + wdq + bm * BN * 4
 
 
 def plan(m: int, n: int, k: int, fmt: str, *, tk: int | None = None, splits: int | None = None,

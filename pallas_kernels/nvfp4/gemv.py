@@ -17,10 +17,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, vector
+from jax._src.lib.mlir.dialects import arith, vector
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from pallas_kernels import row_gemv
+from pallas_kernels.common import e4m3x2_to_f32
 
 from .reference import BLOCK, unpack_codes
 
@@ -46,18 +47,9 @@ def _decode(w0, w1):
 
 def e4m3_scales(sv):
     """ROWS e4m3 scales -> fp32, two per `cvt.rn.f16x2.e4m3x2`."""
-    i16, i32, f32 = (ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32),
-                     ir.F32Type.get())
     rows = ir.VectorType(sv.type).shape[0]
-    pairs = mgpu_utils.bitcast(sv, ir.VectorType.get((rows // 2,), i16))
-    half2 = ir.VectorType.get((2,), ir.F16Type.get())
-    out = []
-    for p in range(rows // 2):
-        h = llvm.inline_asm(i32, [vector.extract(pairs, [], [p])], "cvt.rn.f16x2.e4m3x2 $0, $1;",
-                            "=r,h")
-        hv = arith.extf(ir.VectorType.get((2,), f32), mgpu_utils.bitcast(h, half2))
-        out += [vector.extract(hv, [], [e]) for e in range(2)]
-    return out
+    pairs = mgpu_utils.bitcast(sv, ir.VectorType.get((rows // 2,), ir.IntegerType.get_signless(16)))
+    return [v for p in range(rows // 2) for v in e4m3x2_to_f32(vector.extract(pairs, [], [p]))]
 
 
 def _values(w):

@@ -24,13 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
+from jax._src.lib.mlir.dialects import arith, memref, vector
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mma_gemv
-from pallas_kernels.common import cst, ix
+from pallas_kernels.common import bf16x2_word, cst, ix
 
 from . import gemv as one_row
 from .reference import BLOCK
@@ -51,10 +51,8 @@ def word_operands(word, scale):
 
 def scale_pairs(sv):
     """Inline: vector<R x i8> of e4m3 scales -> R bf16x2 (scale * 2^116, the same)."""
-    i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
-    big = mgpu_utils.c(2.0 ** 116, f32)
-    return [llvm.inline_asm(i32, [v, v], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
-            for v in (arith.mulf(s, big) for s in one_row.e4m3_scales(sv))]
+    big = mgpu_utils.c(2.0 ** 116, ir.F32Type.get())
+    return [bf16x2_word(v, v) for v in (arith.mulf(s, big) for s in one_row.e4m3_scales(sv))]
 
 
 def values(codes, scales):
