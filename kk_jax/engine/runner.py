@@ -44,7 +44,7 @@ from kk_jax.engine.request import MAX_LOGPROBS
 from kk_jax.engine.row_inputs import RowLayout
 from kk_jax.engine.sampler import DRAW, DRAW_FILTERED, GREEDY, SamplingArrays, draw_mode, sample
 from kk_jax.models.attention.paged import AttentionBatch
-from kk_jax.models.layers.linear import prepare_linears
+from kk_jax.models.layers.linear import mark_wide_scales, prepare_linears
 from kk_jax.models.layers.moe import prepare_experts
 from kk_jax.models.layers.scan import member_paths
 from kk_jax.parallel.mesh import check_divisible
@@ -348,6 +348,12 @@ class ModelRunner:
                 node = node.setdefault(part, {})
             node[path[-1]] = params.pop(".".join(map(str, path)))
         nnx.replace_by_pure_dict(state, pure)
+        if not compile_only:                # a static flag of MXFP8 layers whose scales the 2-16-row GEMV cannot take
+            model = nnx.merge(self.graphdef, state)
+            if wide := mark_wide_scales(model):
+                log.warning("MXFP8 scales above 2^7 (blocks with weights beyond 2^16) in %s: their 2-16-row "
+                            "calls run the dequantizing engine instead of the mma GEMV", ", ".join(wide))
+                self.graphdef, state = nnx.split(model)
         self.weights, self.treedef = jax.tree.flatten(state)
         self.weights = tuple(self.weights)
         self.weight_bytes = sum(math.prod(w.shape) * jnp.dtype(w.dtype).itemsize for w in self.weights)

@@ -1,6 +1,6 @@
 """MXFP8 (ModelOpt) weight-only matmul.
 
-    y = matmul(x, w_q, w_scale, *, backend="pallas", out_dtype=None, interpret=False)
+    y = matmul(x, w_q, w_scale, *, backend="pallas", out_dtype=None, interpret=False, wide_scales=None)
 
   x        [..., K]  bf16 or f32 (enters the tensor cores as bf16)
   w_q      [N, K]    float8_e4m3fn
@@ -8,6 +8,9 @@
            for consecutive rows are contiguous: a K step's scales are one TMA tile):
            w[n, k] = w_q[n, k] * 2^(w_scale[k // 32, n] - 127)
   returns  [..., N]  out_dtype (default x.dtype), fp32 accumulation
+  wide_scales  whether some E8M0 byte exceeds 134 (a 32-block whose largest weight passes 2^16):
+           the 2-16-row GEMV cannot take those, so such calls run the engine; None reads it from
+           a concrete w_scale (a traced one is taken as narrow; the linear layers pass it)
 
 backend="xla": the jnp twin (``reference.py``): dequantize to bf16 (exact), XLA dot.
 backend="pallas": Mosaic GPU kernels (``kernel.py``): weight tiles stay MXFP8 in HBM and are
@@ -27,12 +30,12 @@ from .reference import dequantize_bf16, matmul_reference
 BACKENDS = ("pallas", "xla")
 
 
-def matmul(x, w_q, w_scale, *, backend="pallas", out_dtype=None, interpret=False):
+def matmul(x, w_q, w_scale, *, backend="pallas", out_dtype=None, interpret=False, wide_scales=None):
     """See the module docstring."""
     if backend == "xla":
         return matmul_reference(x, w_q, w_scale, out_dtype=out_dtype)
     if backend == "pallas":
-        return matmul_kernel(x, w_q, w_scale, out_dtype=out_dtype, interpret=interpret)
+        return matmul_kernel(x, w_q, w_scale, out_dtype=out_dtype, interpret=interpret, wide_scales=wide_scales)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 

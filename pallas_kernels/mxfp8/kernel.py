@@ -12,8 +12,10 @@ from . import wdequant as wd
 from .reference import validate
 
 
-def matmul_kernel(x, w_q, w_scale, *, out_dtype=None, interpret=False, **plan_overrides):
-    """x [..., K] @ dequant(w_q)^T -> [..., N]; plan_overrides: tk, splits, stages, bm."""
+def matmul_kernel(x, w_q, w_scale, *, out_dtype=None, interpret=False, wide_scales=None, **plan_overrides):
+    """x [..., K] @ dequant(w_q)^T -> [..., N]; plan_overrides: tk, splits, stages, bm.
+    ``wide_scales``: whether some E8M0 byte exceeds ``mma_gemv.MAX_SCALE`` (2-16 rows then run
+    the engine); None reads it from a concrete w_scale (``mma_gemv.wide_scales``)."""
     validate(x, w_q, w_scale)
     out_dtype = out_dtype or x.dtype
     lead, k = x.shape[:-1], x.shape[-1]
@@ -22,7 +24,8 @@ def matmul_kernel(x, w_q, w_scale, *, out_dtype=None, interpret=False, **plan_ov
     if not plan_overrides and gemv.supported(x2.shape[0], n, k):
         y = gemv.gemv(x2, w_q, w_scale, out_dtype=jnp.dtype(out_dtype), interpret=interpret)
         return y.reshape(*lead, n)
-    if not plan_overrides and mma_gemv.supported(x2.shape[0], n, k):
+    if (not plan_overrides and mma_gemv.supported(x2.shape[0], n, k)
+            and not (mma_gemv.wide_scales(w_scale) if wide_scales is None else wide_scales)):
         return mma_gemv.gemv(x2, w_q, w_scale, out_dtype=jnp.dtype(out_dtype), interpret=interpret).reshape(*lead, n)
     np_, kp = wd.round_up(n, wd.BN), wd.round_up(k, 64)
     # The weight is padded per call only when N or K is not a multiple of 64 (odd test shapes, or

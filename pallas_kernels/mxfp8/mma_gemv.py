@@ -6,13 +6,15 @@ the plan fits 3 CTAs an SM): one e4m3 code a byte, E8M0 scales per 32.
   (the e4m3 subnormals land on bf16 subnormals, exactly);
 * scales: E8M0 s -> bf16 2^(s - 7) (exponent field s + 120; one multiply-add makes (s, s)); an
   operand times its scale is e4m3 * 2^(s - 127), the dequantized weight, exact. Scales above 2^7
-  (s > 134, blocks whose largest weight exceeds 2^16) overflow the bf16 factor and are not
-  served (the quantizers here never write them);
+  (s > ``MAX_SCALE``, blocks whose largest weight exceeds 2^16) overflow the bf16 factor: such
+  weights take the engine (``wide_scales``; ModelOpt's rule writes them only for weights beyond
+  57344 in magnitude);
 * the outputs are multiplied by w_scale_2 = 1.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src.lib.mlir import ir
@@ -22,6 +24,8 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from pallas_kernels import mma_gemv
 
 from .reference import BLOCK, e8m0_to_f32
+
+MAX_SCALE = 134              # largest E8M0 byte whose factor 2^(s - 7) is a finite bf16
 
 
 def _operands(word, scale):
@@ -62,3 +66,9 @@ def gemv(x, w_q, w_scale, *, out_dtype, interpret=False):
     out_dtype."""
     return mma_gemv.gemv(FORMAT, x, lax.bitcast_convert_type(w_q, jnp.uint8), w_scale, jnp.ones((1,), jnp.float32),
                          out_dtype=out_dtype, interpret=interpret)
+
+
+def wide_scales(w_scale) -> bool:
+    """Whether a concrete scale array holds an E8M0 byte above ``MAX_SCALE`` (False for a traced
+    one, whose values are unknown: a jitted caller that cannot rule them out says so itself)."""
+    return not isinstance(w_scale, jax.core.Tracer) and int(jnp.max(w_scale)) > MAX_SCALE

@@ -221,6 +221,39 @@ def test_lowers_for_hopper(m, k):
                      jax.ShapeDtypeStruct((k // 32, n), jnp.uint8)).lower(lowering_platforms=("cuda",))
 
 
+def widen(ws, n_row=3, k_block=1):
+    """ws [K/32, N] with one 32-block scaled past 2^16: an E8M0 byte above ``mma_gemv.MAX_SCALE``."""
+    return ws.at[k_block, n_row].set(mma_gemv.MAX_SCALE + 6)
+
+
+def test_wide_scales_leave_the_mma_gemv(gemv_spy):
+    """A scale byte above 134 overflows the mma GEMV's bf16 factor 2^(s - 7): such 2-16-row calls
+    run the engine instead (read from concrete scales, or the caller's ``wide_scales``); traced
+    scales count as narrow unless the caller says otherwise."""
+    calls = gemv_spy(mma_gemv)
+    x, wq, ws = make(4, 128, 512, seed=3)
+    wide = widen(ws)
+    assert mma_gemv.wide_scales(wide) and not mma_gemv.wide_scales(ws)
+    assert not jax.jit(lambda s: jnp.int32(mma_gemv.wide_scales(s)))(wide)
+    y = matmul(x, wq, wide, out_dtype=jnp.float32, interpret=True)
+    assert not calls and orc.rel_err(y, oracle(x, wq, wide)) < 1e-5
+    y = matmul(x, wq, ws, out_dtype=jnp.float32, interpret=True, wide_scales=True)
+    assert not calls and orc.rel_err(y, oracle(x, wq, ws)) < 1e-5
+    matmul(x, wq, ws, out_dtype=jnp.float32, interpret=True)
+    assert len(calls) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(4, 4096, 4096), (16, 12288, 4096)])
+def test_compiled_wide_scales_match_oracle(m, n, k):
+    """On the GPU a 32-block past 2^16 would come out of the mma GEMV as inf or sign-flipped
+    (its bf16 factor's exponent field overflows); the engine it takes instead is exact."""
+    x, wq, ws = make(m, n, k, seed=5)
+    wide = widen(ws, n_row=n - 1, k_block=k // 64)
+    y = matmul(x, wq, wide, backend="pallas", out_dtype=jnp.float32)
+    assert orc.rel_err(y, oracle(x, wq, wide)) < 1e-4
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 2048, 1536), (1, 512, 256), (1, 512, 768), (8, 1, 96),
                                    (300, 512, 1024), (1100, 384, 640),

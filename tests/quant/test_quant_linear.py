@@ -20,8 +20,8 @@ import quant_oracle as qo  # noqa: E402
 
 from checkpoints.quantize import quantize_checkpoint  # noqa: E402
 from kk_jax.checkpoint.loader import expected_tensors, load_params  # noqa: E402
-from kk_jax.models.layers.linear import (FusedLinear, Linear, QuantLayoutError, prepare_linears,  # noqa: E402
-                                         quantize_linears)
+from kk_jax.models.layers.linear import (FusedLinear, Linear, QuantLayoutError, mark_wide_scales,  # noqa: E402
+                                         prepare_linears, quantize_linears)
 from kk_jax.parallel.mesh import make_mesh, spec  # noqa: E402
 from kk_jax.quant import QuantConfig, fp8_block, mxfp8, nvfp4  # noqa: E402
 
@@ -56,6 +56,31 @@ def test_one_call_for_every_format(method):
     assert rel_err(y.reshape(6, 64), want) < 1e-5
     lin.backend, lin.interpret = "pallas", True                 # the kernel, same numerics
     assert rel_err(lin(x), y) < 1e-5
+
+
+def test_mxfp8_layer_with_scales_past_the_mma_gemv_takes_the_engine(monkeypatch):
+    """``mark_wide_scales`` flags the MXFP8 layer whose scales hold a byte above 134 (a 32-block
+    past 2^16, which the 2-16-row mma GEMV's bf16 factor cannot hold); that layer's few-row calls
+    then run the engine, exact, while the other layer keeps the GEMV."""
+    from pallas_kernels.mxfp8 import mma_gemv
+
+    class Pair(nnx.Module):
+        def __init__(self):
+            kw = dict(backend="pallas", interpret=True)
+            self.narrow = quantized_linear("mxfp8", 64, 256, ("heads", "embed"), **kw)
+            self.wide = quantized_linear("mxfp8", 64, 256, ("heads", "embed"), seed=1, **kw)
+            self.wide.weight_scale.value = self.wide.weight_scale[...].at[2, 5].set(mma_gemv.MAX_SCALE + 1)
+
+    pair = Pair()
+    assert mark_wide_scales(pair) == ["wide"] and pair.wide.wide_scales and not pair.narrow.wide_scales
+    calls, real = [], mma_gemv.gemv
+    monkeypatch.setattr(mma_gemv, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x = jax.random.normal(jax.random.key(2), (4, 256), jnp.float32)
+    y = pair.wide(x)
+    want = qo.matmul(np.asarray(x), np.asarray(pair.wide.dense_weight(jnp.float32)))
+    assert not calls and rel_err(y, want) < 1e-5
+    pair.narrow(x)
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("axes,x_local,w_local", [

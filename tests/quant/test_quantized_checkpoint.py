@@ -157,6 +157,25 @@ def test_bad_scale_shape_names_the_tensor(quantized, tmp_path):
         LLM(ckpt, **SMALL)
 
 
+def test_mxfp8_block_past_2_16_flags_its_layer(quantized, tmp_path, caplog):
+    """A 32-block of one projection scaled past 2^16 (E8M0 byte 140, beyond the 2-16-row mma
+    GEMV's bf16 factor): the engine loads it, flags that layer so its few-row calls take the
+    dequantizing engine (a warning names it), and generates the oracle's tokens."""
+    from safetensors.numpy import save
+
+    ckpt = shutil.copytree(quantized["mxfp8"], tmp_path / "ckpt")
+    tensors = {n: LazyTensor(i)[...] for n, i in index_checkpoint(ckpt).items()}
+    tensors[f"{Q_PROJ}.weight_scale"] = scale = tensors[f"{Q_PROJ}.weight_scale"].copy()
+    scale[5, 1] = 140
+    (ckpt / "model.safetensors").write_bytes(save(tensors))
+    with caplog.at_level("WARNING", logger="kk_jax.engine.runner"):
+        llm = LLM(ckpt, **SMALL)
+    assert f"MXFP8 scales above 2^7 (blocks with weights beyond 2^16) in {QKV_PROJ}:" in caplog.text
+    got = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0].token_ids
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert got == oracle.greedy(cfg, host_dequantized(ckpt), PROMPT, 8)
+
+
 def test_nvfp4_input_scales_are_accepted(quantized, tmp_path):
     """ModelOpt's NVFP4 exports hold an ``input_scale`` next to every quantized linear's weight
     (unused: activations stay bf16); such a checkpoint loads and generates the tokens of the same

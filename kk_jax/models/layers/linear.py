@@ -109,6 +109,7 @@ class Linear(nnx.Module):
         self.mesh = None
         self.act_quant = False
         self.interpret = False
+        self.wide_scales = False           # static: MXFP8 scales the 2-16-row GEMV cannot take (`mark_wide_scales`)
         self.weight = nnx.Param(jnp.zeros((out_features, in_features), dtype), axes=axes)
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype), axes=axes[:1]) if bias else None
 
@@ -147,7 +148,8 @@ class Linear(nnx.Module):
             y = linear_matmul(x, self._quant_operands(), method=self.quant, axes=self.axes, block=self.block,
                               backend=self.backend, mesh=self.mesh, act_quant=self.act_quant,
                               interpret=self.interpret, out_dtype=jnp.float32 if exact_out else x.dtype,
-                              norm=norm if fuse else None, residual=residual if fuse else None)
+                              norm=norm if fuse else None, residual=residual if fuse else None,
+                              wide_scales=self.wide_scales)
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         y = y.astype(x.dtype)
@@ -181,6 +183,7 @@ class FusedLinear(nnx.Module):
         self.quant: str | None = None
         self.block = (128, 128)
         self.backend, self.mesh, self.act_quant, self.interpret = "xla", None, False, False
+        self.wide_scales = False
         self.shards = 1
         self.weight = nnx.Param(jnp.zeros((self.out_features, in_features), dtype), axes=axes,
                                 sources=self._sources("weight", 1))
@@ -269,6 +272,22 @@ class FusedLinear(nnx.Module):
 
 
 # ---------------------------------------------------------------------- model-wide pass
+def mark_wide_scales(model: nnx.Module) -> list[str]:
+    """Sets ``wide_scales`` on every MXFP8 Linear / FusedLinear of a loaded ``model`` whose scales
+    hold an E8M0 byte above ``pallas_kernels.mxfp8.mma_gemv.MAX_SCALE`` (its 2-16-row calls then
+    run the engine, which takes every scale) and returns their names. Static (part of the
+    graph), so call it on the concrete model before compiling."""
+    from pallas_kernels.mxfp8 import mma_gemv
+
+    wide = []
+    for path, module in nnx.iter_modules(model):
+        if isinstance(module, (Linear, FusedLinear)) and module.quant == "mxfp8":
+            module.wide_scales = mma_gemv.wide_scales(module.weight_scale[...])
+            if module.wide_scales:
+                wide.append(".".join(map(str, path)))
+    return wide
+
+
 def quantize_linears(model: nnx.Module, qcfg: QuantConfig | None, *, tensor_names: Iterable[str] | None = None,
                      backend: str = "xla", mesh=None, act_quant: bool = False, interpret: bool = False,
                      dense_backend: str = "xla") -> list[str]:
@@ -498,7 +517,7 @@ def gemv_fuses(linear, x: jax.Array, norm, residual, glu: bool = False) -> bool:
             and row_gemv.fusable(n, k, x.dtype, norm=norm is not None, residual=residual is not None, glu=glu))
 
 
-def _kernel_call(method, x2, ops, *, block, backend, act_quant, interpret, out_dtype):
+def _kernel_call(method, x2, ops, *, block, backend, act_quant, interpret, out_dtype, wide_scales=False):
     limit = kernel_max_rows(method, out_dtype)
     if backend == "pallas" and not act_quant and x2.shape[0] >= limit:
         backend = "xla"
@@ -511,21 +530,23 @@ def _kernel_call(method, x2, ops, *, block, backend, act_quant, interpret, out_d
                                 interpret=interpret)
     if method == "mxfp8":
         from pallas_kernels import mxfp8
-        return mxfp8.matmul(x2, *ops, backend=backend, out_dtype=out_dtype, interpret=interpret)
+        return mxfp8.matmul(x2, *ops, backend=backend, out_dtype=out_dtype, interpret=interpret,
+                            wide_scales=wide_scales)
     from pallas_kernels import nvfp4
     return nvfp4.matmul(x2, *ops, backend=backend, out_dtype=out_dtype, interpret=interpret)
 
 
 def linear_matmul(x, ops: tuple, *, method: str | None, axes, block=(128, 128), backend="xla", mesh=None,
                   act_quant=False, interpret=False, out_dtype=jnp.float32, norm=None, residual=None, glu=False,
-                  segments=None):
+                  segments=None, wide_scales=False):
     """x [..., K] @ dequant(ops)^T -> [..., N] out_dtype for a linear's :data:`OPERANDS` (``method``
     None: the unquantized weight, for the dense kernel); fp32 accumulation, one rounding to
     ``out_dtype``. With backend="pallas" on a tp mesh the kernel runs per shard inside
     ``jax.shard_map``: column-parallel weights give N-sharded outputs, row-parallel ones partial
     sums reduced with ``psum`` (pass an fp32 ``out_dtype`` for those). ``norm`` / ``residual`` /
     ``glu`` / ``segments`` (per-member global scales): the one-row GEMV's options, for calls
-    :func:`gemv_fuses` accepted."""
+    :func:`gemv_fuses` accepted. ``wide_scales``: MXFP8 scales above the 2-16-row GEMV's range
+    (:func:`mark_wide_scales`)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     extras = ([norm.weight[...]] if norm is not None else []) + ([residual.reshape(1, -1)] if residual is not None else [])
@@ -533,7 +554,7 @@ def linear_matmul(x, ops: tuple, *, method: str | None, axes, block=(128, 128), 
     def call(xx, *oo):
         if norm is None and residual is None and not glu and segments is None:
             return _kernel_call(method, xx, oo, block=block, backend=backend, act_quant=act_quant,
-                                interpret=interpret, out_dtype=out_dtype)
+                                interpret=interpret, out_dtype=out_dtype, wide_scales=wide_scales)
         oo, ex = oo[:len(ops)], list(oo[len(ops):])
         fusions = dict(norm_weight=ex.pop(0), eps=float(norm.eps)) if norm is not None else {}
         if residual is not None:
