@@ -48,9 +48,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kk_jax.quant import fp8_block as q_fp8, mxfp8 as q_mx, nvfp4 as q_nv  # noqa: E402
-from kk_jax.models.layers.moe import dequantize_stacked, routed_subset, tile_rows  # noqa: E402
+from kk_jax.models.layers.moe import ROUTED_GEMV_MAX_SLOTS, dequantize_stacked, routed_subset, tile_rows  # noqa: E402
 from pallas_kernels import fp8_block, mxfp8, nvfp4  # noqa: E402
-from pallas_kernels.moe_quant import gather_rows, grouped_matmul, route_tiles  # noqa: E402
+from pallas_kernels.moe_quant import gather_rows, grouped_matmul, route_tiles, routed_gemv, routed_gemv_supported  # noqa: E402
 
 FORMATS = ("fp8_block", "mxfp8", "nvfp4")
 
@@ -214,6 +214,8 @@ def run_moe(interpret, reps, log, experts=288, k=4096, n=2048, top=8, token_coun
       N·k < E, else all, dequantized in jnp, then the bf16 ``ragged_dot``)
     * per format, ``grouped``: ``pallas_kernels.moe_quant`` (row tiles of one expert, dequantized
       in the kernel)
+    * per format, ``routed``: ``moe_quant.routed_gemv`` (one row GEMV per token-slot), up to
+      ``ROUTED_GEMV_MAX_SLOTS`` x 4 token-slots (the engine takes it up to that limit)
 
     TB/s counts the bytes of the distinct experts a call touches (incl. scales) + x + y; ``check``
     compares each path with the first one of its format (grouped against deq+tokamax)."""
@@ -257,6 +259,11 @@ def run_moe(interpret, reps, log, experts=288, k=4096, n=2048, top=8, token_coun
             return y[tiles.row_of_pair]
         return fn
 
+    def routed(fmt):
+        def fn(x, idx, *ops):
+            return routed_gemv(jnp.repeat(x, top, axis=0), idx.reshape(-1), fmt, *ops, interpret=interpret)
+        return fn
+
     for ti, m in enumerate(token_counts):
         x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.float32).astype(jnp.bfloat16)
         idxs = [jnp.argsort(jax.random.uniform(jax.random.fold_in(key, 100 * m + r), (m, experts)), axis=-1)[:, :top]
@@ -269,6 +276,8 @@ def run_moe(interpret, reps, log, experts=288, k=4096, n=2048, top=8, token_coun
             cands.append(("tokamax_fp8_1x128", "qwix_fp8", lambda x, idx, r: ragged(x, idx, r), (wq,)))
         for fmt, ops in quant.items():
             cands += [(f"{fmt}_deq+tokamax", fmt, deq_tokamax(fmt), ops), (f"{fmt}_grouped", fmt, grouped(fmt), ops)]
+            if m * top <= 4 * ROUTED_GEMV_MAX_SLOTS and routed_gemv_supported(fmt, n, k):
+                cands.append((f"{fmt}_routed", fmt, routed(fmt), ops))
         refs = {}                       # per format: the first path's result (grouped vs deq+tokamax)
         for name, fmt, fn, ops in cands:
             try:

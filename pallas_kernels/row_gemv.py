@@ -25,7 +25,10 @@ into fp32 products itself:
   dtype;
 * a decoder layer's neighbours can run inside (`fusable`): the RMSNorm of x before the
   product (every CTA normalises its staged copy), a bf16 residual added to the output, or the
-  SwiGLU of a fused [gate; up] projection (a CTA takes a gate item, then its up item).
+  SwiGLU of a fused [gate; up] projection (a CTA takes a gate item, then its up item);
+* routed experts (`experts=`, `moe_quant.routed_gemv`): P rows of x, each against its own
+  expert's weight of a stacked [E, N, K'] set, one launch; items are (row, 16 weight rows) and
+  every tile brings its row's x chunk with the codes.
 """
 
 from __future__ import annotations
@@ -339,7 +342,7 @@ def _item_sums(fmt, acc, red_ref, s2_ref, y_ref, res_ref, *, interpret, s2_at=0,
 
 @functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "eps", "glu", "segments", "interpret"))
 def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps=None, residual=None,
-         glu=False, segments=None, interpret=False):
+         glu=False, segments=None, experts=None, interpret=False):
     """x [1, K] bf16; w_bytes uint8 codes [N, K * 1024 / tile_k] (NVFP4: [N, K/2], MXFP8: the
     e4m3 bytes [N, K]); scales in the format's layout (`Scales`); w_scale_2 [] / [1] f32 ->
     [1, N] out_dtype. Persistent CTAs take the 16-row items round-robin and stream each item's
@@ -355,16 +358,30 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
     matching up item, keeping the gate's 16 values in shared memory.
 
     segments (rows of each member of a fused projection, multiples of 16 summing to N; glu: two
-    halves): w_scale_2 holds one global scale per member, each applied to its member's rows."""
-    n, k = w_bytes.shape[0], x.shape[1]
-    if not supported(fmt, x.shape[0], n, k) or w_bytes.shape[1] * fmt.tile_k != k * ROW_BYTES:
+    halves): w_scale_2 holds one global scale per member, each applied to its member's rows.
+
+    experts [P] int32 (routed experts, one GEMV per token-slot): x [P, K] holds P rows, w_bytes
+    [E, N, K'] and scales [E, ...] stack E experts' operands in the layouts above, w_scale_2 [P]
+    holds each row's global scale, and the output [P, N] has row p = x[p] @ expert experts[p]'s
+    weight^T. Each tile brings its row's x chunk through the ring with the codes (x is not staged
+    whole); no fusions."""
+    routed = experts is not None
+    n, k = w_bytes.shape[-2], x.shape[1]
+    if (not supported(fmt, 1 if routed else x.shape[0], n, k) or w_bytes.shape[-1] * fmt.tile_k != k * ROW_BYTES
+            or w_bytes.ndim != 2 + routed):
         raise ValueError(f"{fmt.name} serves M = 1, N % {ROWS} == 0, K % {fmt.k_step} == 0, "
                          f"{max(fmt.min_k, fmt.tile_k // 4)} <= K <= {MAX_K} with codes of K "
-                         f"columns; got M={x.shape[0]}, N={n}, K={k}, codes {w_bytes.shape}")
+                         f"columns; got M={x.shape[0]}, N={n}, K={k}, codes {w_bytes.shape}"
+                         + (" (experts given: codes [E, N, K'])" if routed else ""))
+    if routed and (norm_weight is not None or residual is not None or glu or segments
+                  or experts.shape != (x.shape[0],) or jnp.size(w_scale_2) != x.shape[0]):
+        raise ValueError(f"{fmt.name}: with experts, x [P, K], experts [P], w_scale_2 [P] and no fusions; got "
+                         f"x {x.shape}, experts {experts.shape}, w_scale_2 {jnp.shape(w_scale_2)}")
     kp = _padded_k(fmt, k)
     kcn, items = kp // fmt.tile_k, n // ROWS
-    units = items // 2 if glu else items          # what a CTA takes at a time: an item or a pair
-    xs = x.astype(jnp.bfloat16).reshape(k // _X_ROW, _X_ROW)
+    rows_x = x.shape[0] if routed else 1           # rows of x (and of the output)
+    units = items // 2 if glu else items * rows_x   # what a CTA takes at a time: an item or a gate/up pair
+    xs = x.astype(jnp.bfloat16).reshape((rows_x,) * routed + (k // _X_ROW, _X_ROW))
     x_rows = fmt.tile_k // _X_ROW
     scaled, normed, res = fmt.scales is not None, norm_weight is not None, residual is not None
     if not fusable(n, k, out_dtype, norm=normed, residual=res, glu=glu):
@@ -373,7 +390,9 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
                          f"got N={n}, K={k}, {jnp.dtype(out_dtype).name}, residual={res}, glu={glu}")
     segments = tuple(segments or ((n // 2, n // 2) if glu else (n,)))
     s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(-1)
-    if (sum(segments) != n or any(r % ROWS for r in segments) or (glu and segments != (n // 2,) * 2)
+    if routed:                                     # a whole number of 16-byte TMA rows
+        s2 = jnp.pad(s2, (0, -s2.shape[0] % 4))
+    elif (sum(segments) != n or any(r % ROWS for r in segments) or (glu and segments != (n // 2,) * 2)
             or s2.shape[0] not in (1, len(segments))):
         raise ValueError(f"{fmt.name}: segments {segments} must be multiples of {ROWS} rows summing to N={n} "
                          f"(two halves with glu), with one w_scale_2 each or one for all; got {s2.shape[0]}")
@@ -383,15 +402,16 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
               + ([residual.astype(jnp.bfloat16).reshape(n // _X_ROW, _X_ROW)] if res else []))
     # as many CTAs per SM as are resident at once (a persistent grid must not run in waves)
     slot = ROWS * ROW_BYTES + (np.prod(fmt.scales.slot) * jnp.dtype(fmt.scales.dtype).itemsize if scaled else 0)
-    smem = (2 * kp + _STAGES * slot + sum(2 * a.size for a in extras) + 4 * ROWS * 4 + ROWS * 4 * (1 + glu)
-            + 4 * s2.shape[0])
+    slot += 2 * fmt.tile_k if routed else 0        # the tile's x chunk
+    smem = (2 * kp * (not routed) + _STAGES * slot + sum(2 * a.size for a in extras) + 4 * ROWS * 4
+            + ROWS * 4 * (1 + glu) + 4 * s2.shape[0])
     ctas = min(units, num_sms() * max(1, min(_CTAS_PER_SM, SMEM_PER_SM // (smem + CTA_SMEM_RESERVE))))
 
     def kernel(*refs):
         refs = list(refs)
         take = lambda cond: refs.pop(0) if cond else None
-        x_ref, w_ref, s_ref, s2_ref, nw_ref, r_ref, y_ref = (
-            take(True), take(True), take(scaled), take(True), take(normed), take(res), take(True))
+        x_ref, w_ref, s_ref, s2_ref, e_ref, nw_ref, r_ref, y_ref = (
+            take(True), take(True), take(scaled), take(True), take(routed), take(normed), take(res), take(True))
         x_smem, w_smem, s_smem, nw_smem, r_smem, y_smem, g_smem, red_smem, s2_smem, bar, xbar = (
             take(True), take(True), take(scaled), take(normed), take(res), take(True), take(glu), take(True),
             take(True), take(True), take(True))
@@ -400,27 +420,40 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
         tiles = lax.div(units - c + ctas - 1, ctas) * per_unit    # units c, c + ctas, ... x K tiles
 
         def where(i):
-            """(unit, item, K tile, up half of a pair) of the CTA's i-th tile."""
+            """(unit, item, K tile, up half of a pair) of the CTA's i-th tile; routed, a unit is
+            item unit % items of x's row unit // items."""
             unit, j = c + lax.div(i, per_unit) * ctas, lax.rem(i, per_unit)
+            if routed:
+                return unit, lax.rem(unit, items), j, False
             up = j >= kcn
             return unit, unit + jnp.where(up, units, 0), lax.rem(j, kcn), up
 
         def issue(i, slot):
-            _, item, kc, _ = where(i)
+            unit, item, kc, _ = where(i)
             rows, b = pl.ds(item * ROWS, ROWS), bar.at[slot]
+            if routed:
+                row = lax.div(unit, items)
+                expert = e_ref[row]
+                w_at, s_at = w_ref.at[expert], s_ref.at[expert] if scaled else None
+                plgpu.copy_gmem_to_smem(x_ref.at[row, pl.ds(kc * x_rows, x_rows)], x_smem.at[slot], b)
+            else:
+                w_at, s_at = w_ref, s_ref
             for q in range(4):
                 cols = pl.ds(kc * ROW_BYTES + q * _BOX, _BOX)
-                plgpu.copy_gmem_to_smem(w_ref.at[rows, cols], w_smem.at[slot, q], b)
+                plgpu.copy_gmem_to_smem(w_at.at[rows, cols], w_smem.at[slot, q], b)
             if scaled:
-                box = fmt.scales.box(s_ref, item, kc)
+                box = fmt.scales.box(s_at, item, kc)
                 plgpu.copy_gmem_to_smem(box, s_smem.at[slot, pl.ds(0, box.shape[0])], b)
 
-        if kp > k:                                    # x's zeros past K, seen by every thread
+        if routed:                                     # each row's global scale
+            plgpu.copy_gmem_to_smem(s2_ref, s2_smem, xbar.at[0])
+        elif kp > k:                                  # x's zeros past K, seen by every thread
             for r in range(k // _X_ROW, kp // _X_ROW):
                 x_smem.at[r][...] = jnp.zeros((_X_ROW,), jnp.bfloat16)
             if not interpret:
                 _warpgroup_sync()
-        plgpu.copy_gmem_to_smem(x_ref, x_smem.at[pl.ds(0, k // _X_ROW)], xbar.at[0])
+        if not routed:
+            plgpu.copy_gmem_to_smem(x_ref, x_smem.at[pl.ds(0, k // _X_ROW)], xbar.at[0])
         for src, dst in ((nw_ref, nw_smem), (r_ref, r_smem)):
             if src is not None:
                 plgpu.copy_gmem_to_smem(src, dst, xbar.at[0])
@@ -430,8 +463,9 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
                 issue(p, p)
         # the global scales, read while the copies are in flight (every item's end multiplies by
         # one; a read from HBM there would add its latency to each item)
-        for i in range(s2.shape[0]):
-            s2_smem[i] = s2_ref[i]
+        if not routed:
+            for i in range(s2.shape[0]):
+                s2_smem[i] = s2_ref[i]
         plgpu.barrier_wait(xbar.at[0])
         if normed:
             _rms_normalize(x_smem, nw_smem, red_smem, k=k, eps=eps, interpret=interpret)
@@ -441,7 +475,8 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
             unit, item, kc, up = where(i)
             plgpu.barrier_wait(bar.at[slot])
             acc = _tile_update(fmt, acc, w_smem.at[slot], s_smem.at[slot] if scaled else None,
-                               x_smem.at[pl.ds(kc * x_rows, x_rows)], interpret=interpret)
+                               x_smem.at[slot] if routed else x_smem.at[pl.ds(kc * x_rows, x_rows)],
+                               interpret=interpret)
             plgpu.commit_smem()                           # every thread is done with the slot
 
             @pl.when(i + _STAGES < tiles)
@@ -456,10 +491,12 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # y_smem free again
                 r_item = (r_smem.at[pl.ds(lax.div(first, _X_ROW), 1), pl.ds(lax.rem(first, _X_ROW), ROWS)]
                           if res else None)
-                _item_sums(fmt, acc, red_smem, s2_smem, y_smem, r_item, interpret=interpret, s2_at=member,
-                           gate_ref=g_smem)
+                row = lax.div(unit, items)
+                _item_sums(fmt, acc, red_smem, s2_smem.at[pl.ds(row, 1)] if routed else s2_smem, y_smem, r_item,
+                           interpret=interpret, s2_at=member, gate_ref=g_smem)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(y_smem, y_ref.at[:, pl.ds(unit * ROWS, ROWS)])
+                plgpu.copy_smem_to_gmem(y_smem, y_ref.at[pl.ds(row, 1), pl.ds(item * ROWS, ROWS)] if routed
+                                        else y_ref.at[:, pl.ds(unit * ROWS, ROWS)])
 
             if glu:
                 @pl.when(last & ~up)
@@ -467,7 +504,7 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
                     _item_sums(fmt, acc, red_smem, s2_smem, g_smem, None, interpret=interpret)
 
                 pl.when(last & up)(lambda: store(0 if shared else 1))
-            elif shared:
+            elif shared or routed:
                 pl.when(last)(lambda: store(0))
             else:
                 for member in range(len(segments)):      # the item's member picks its global scale
@@ -485,8 +522,8 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
     kernel.__name__ = fmt.name
     u8 = jnp.uint8
     call = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((1, n // 2 if glu else n), out_dtype),
-        scratch_types=[plgpu.SMEM((kp // _X_ROW, _X_ROW), jnp.bfloat16),
+        kernel, out_type=jax.ShapeDtypeStruct((rows_x, n // 2 if glu else n), out_dtype),
+        scratch_types=[plgpu.SMEM((_STAGES, x_rows, _X_ROW) if routed else (kp // _X_ROW, _X_ROW), jnp.bfloat16),
                        plgpu.SMEM((_STAGES, 4, ROWS, _BOX), u8),
                        *([plgpu.SMEM((_STAGES, *fmt.scales.slot), fmt.scales.dtype)] if scaled else []),
                        *[plgpu.SMEM(a.shape, jnp.bfloat16) for a in extras],
@@ -494,9 +531,10 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
                        *([plgpu.SMEM((1, ROWS), out_dtype)] if glu else []),
                        plgpu.SMEM((4, ROWS), jnp.float32),
                        plgpu.SMEM((s2.shape[0],), jnp.float32),
-                       plgpu.Barrier(num_arrivals=4 + scaled, num_barriers=_STAGES),
+                       plgpu.Barrier(num_arrivals=4 + scaled + routed, num_barriers=_STAGES),
                        plgpu.Barrier(num_arrivals=1 + len(extras), num_barriers=1)],
         grid=(ctas,), grid_names=("c",),
         compiler_params=hand_synced(approx_math=False),
         **interpret_kwargs(interpret))
-    return call(xs, w_bytes, *([scales] if scaled else []), s2, *extras)
+    return call(xs, w_bytes, *([scales] if scaled else []), s2,
+                *([jnp.asarray(experts, jnp.int32)] if routed else []), *extras)

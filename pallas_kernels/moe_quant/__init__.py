@@ -27,12 +27,17 @@ adds to every tile's expert: the weights may hold several layers' experts ``[L·
 backend="pallas": the Mosaic GPU engine of ``pallas_kernels/mxfp8/wdequant.py`` with an expert
 per row tile (interpret=True runs it on CPU); backend="xla": the jnp twin (dequantize each
 tile's expert, then a batched dot).
+
+Decode-sized calls can skip the tiles: ``routed_gemv(x_slots, experts, fmt, w, *scales)`` runs one
+weight-streaming GEMV per token-slot (``routed_gemv.py``).
 """
 
 from __future__ import annotations
 
 from .kernel import grouped_matmul_kernel
 from .reference import FORMATS, grouped_matmul_reference, validate
+from .routed_gemv import routed_gemv
+from .routed_gemv import supported as routed_gemv_supported
 from .tiles import Tiles, gather_rows, route_tiles
 
 BACKENDS = ("pallas", "xla")
@@ -50,5 +55,5 @@ def grouped_matmul(x_rows, tile_expert, fmt, w, *scales, expert_offset=0, backen
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-__all__ = ["grouped_matmul", "grouped_matmul_kernel", "grouped_matmul_reference", "route_tiles", "gather_rows",
+__all__ = ["grouped_matmul", "grouped_matmul_kernel", "routed_gemv", "routed_gemv_supported", "grouped_matmul_reference", "route_tiles", "gather_rows",
            "Tiles", "validate", "FORMATS", "BACKENDS"]

@@ -108,12 +108,18 @@ def test_routed_subset_gives_the_same_experts_output():
 
 
 @pytest.mark.parametrize("fmt,quantize", [("nvfp4", nvfp4.quantize), ("mxfp8", mxfp8.quantize)])
-def test_quantized_experts_kernel_path_matches_the_dequantized_grouped_dot(fmt, quantize):
-    """The GPU path for quantized experts (the grouped dequantizing kernel, here in Mosaic GPU's
-    interpreter) equals dequantizing the same experts and running the grouped dot, for a decode
-    batch and with two layers' experts stacked (the scanned form, offset to the second layer)."""
+@pytest.mark.parametrize("width", [128, 512])
+def test_quantized_experts_kernel_path_matches_the_dequantized_grouped_dot(fmt, quantize, width, monkeypatch):
+    """The GPU path for quantized experts (here in Mosaic GPU's interpreter) equals dequantizing
+    the same experts and running the grouped dot, for a decode batch and with two layers' experts
+    stacked (the scanned form, offset to the second layer). Width 128 is below the row GEMV's
+    smallest K, so the slots go to the grouped tile engine; at 512 each runs a routed GEMV."""
+    from pallas_kernels import moe_quant
+    calls = []
+    real = moe_quant.routed_gemv
+    monkeypatch.setattr(moe_quant, "routed_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     rng = np.random.default_rng(4)
-    n, d, i, e, k, limit, layers = 5, 128, 128, 6, 3, 4.0, 2     # i: NVFP4's kernel steps 128 codes of K
+    (n, k), d, i, e, limit, layers = (5, 3) if width == 128 else (2, 2), width, width, 6, 4.0, 2
     x = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
     idx = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(n)]), jnp.int32)
     wt = jnp.asarray(rng.random((n, k)), jnp.float32)
@@ -130,6 +136,7 @@ def test_quantized_experts_kernel_path_matches_the_dequantized_grouped_dot(fmt, 
     want = grouped_experts(x.astype(jnp.float32), idx, wt, *dense, limit)
     # the kernel path feeds the down projection bf16 activations (measured 3.8e-3; another layer's experts: 1.5)
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-2
+    assert len(calls) == (3 if width == 512 else 0)
     assert tile_rows(n * k, e) == 8 and tile_rows(8192 * 8, 288) == 128 and tile_rows(64 * 8, 288) == 8
 
 

@@ -146,3 +146,58 @@ def test_compiled_kernel_matches_oracle(fmt):
     y = grouped_matmul(gather_rows(jnp.asarray(x), tiles, top), tiles.tile_expert, fmt, *ops, out_dtype=jnp.float32)
     got = np.asarray(y)[np.asarray(tiles.row_of_pair)]
     assert orc.rel_err(got, oracle(x, idx, dense)) < 1e-4
+
+
+@pytest.mark.parametrize("fmt,k", [("nvfp4", 2048), ("nvfp4", 2304), ("mxfp8", 1280), ("fp8_block", 1536)])
+def test_routed_gemv_matches_oracle(fmt, k):
+    """One GEMV per token-slot against its expert (layer offset included); K past a whole tile
+    (nvfp4 2304, mxfp8 1280, fp8_block 1536) reads zeros there."""
+    from pallas_kernels.moe_quant import routed_gemv
+    e, n, tokens, top = 4, 32, 3, 2
+    ops, dense = experts(fmt, 2 * e, n, k, seed=11)
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    idx = np.stack([rng.choice(e, top, replace=False) for _ in range(tokens)]).astype(np.int32)
+    slots = jnp.asarray(np.repeat(x, top, axis=0), jnp.bfloat16)
+    y = routed_gemv(slots, jnp.asarray(idx.reshape(-1)), fmt, *ops, expert_offset=jnp.int32(e),
+                    out_dtype=jnp.float32, interpret=True)
+    assert y.shape == (tokens * top, n)
+    assert orc.rel_err(np.asarray(y), oracle(x, idx + e, dense)) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "fp8_block"])
+def test_routed_gemv_lowers_for_hopper(fmt):
+    from pallas_kernels.moe_quant import routed_gemv
+    e, n, k, slots = 288, 2048, 4096, 64
+    S = jax.ShapeDtypeStruct
+    codes = S((e, n, k // 2), jnp.uint8) if fmt == "nvfp4" else S((e, n, k), jnp.float8_e4m3fn)
+    scales = {"nvfp4": (S((e, k // 16, n), jnp.float8_e4m3fn), S((e,), jnp.float32)),
+              "mxfp8": (S((e, k // 32, n), jnp.uint8),), "fp8_block": (S((e, n // 128, k // 128), jnp.float32),)}[fmt]
+    f = lambda x, ex, *o: routed_gemv(x, ex, fmt, *o, out_dtype=jnp.float32)
+    jax.jit(f).trace(S((slots, k), jnp.bfloat16), S((slots,), jnp.int32), codes, *scales).lower(
+        lowering_platforms=("cuda",))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "fp8_block"])
+def test_compiled_routed_gemv_matches_oracle(fmt):
+    from pallas_kernels.moe_quant import routed_gemv
+    e, n, k, tokens, top = 16, 256, 2304 if fmt == "nvfp4" else 1536, 5, 4
+    ops, dense = experts(fmt, e, n, k, seed=13)
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    idx = np.stack([rng.choice(e, top, replace=False) for _ in range(tokens)]).astype(np.int32)
+    y = routed_gemv(jnp.asarray(np.repeat(x, top, axis=0), jnp.bfloat16), jnp.asarray(idx.reshape(-1)), fmt, *ops,
+                    out_dtype=jnp.float32)
+    assert orc.rel_err(np.asarray(y), oracle(x, idx, dense)) < 1e-4
+
+
+def test_routed_gemv_bad_operands_are_named():
+    from pallas_kernels.moe_quant import routed_gemv
+    ops, _ = experts("mxfp8", 2, 32, 1024)
+    x = jnp.zeros((4, 1024), jnp.bfloat16)
+    with pytest.raises(ValueError, match="x \\(4, 1024\\), experts \\(2,\\)"):
+        routed_gemv(x, jnp.zeros((2,), jnp.int32), "mxfp8", *ops, interpret=True)
+    small, _ = experts("nvfp4", 2, 32, 256)
+    with pytest.raises(ValueError, match="nvfp4 experts of \\[32, 256\\] do not fit the row GEMV"):
+        routed_gemv(jnp.zeros((2, 256), jnp.bfloat16), jnp.zeros((2,), jnp.int32), "nvfp4", *small)

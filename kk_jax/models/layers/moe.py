@@ -13,7 +13,8 @@ device memory, stacked per layer, codes in the checkpoint's ``[out, in]`` orient
 scales transposed (:class:`Experts`). On the GPU (``pallas``) they run through ``pallas_kernels.moe_quant``:
 the token-slots of each expert are packed into row tiles and every tile is multiplied by its
 expert's codes and scales, dequantized inside the kernel, so a decode step reads only the
-experts it routes to, once each (:func:`quantized_experts`). Elsewhere (``xla``; or a layout the
+experts it routes to, once each; a few token-slots instead run one weight-streaming GEMV each
+against their expert (:func:`quantized_experts`). Elsewhere (``xla``; or a layout the
 kernel does not take) the routed experts (decode: N·k < E, :func:`routed_subset`) or the whole
 local shard are dequantized in jnp to the activation dtype and run through the grouped dot
 above. The shared expert is a ``SwiGLU`` of ``Linear`` layers, quantized by
@@ -91,23 +92,42 @@ def tile_rows(pairs: int, experts: int) -> int:
     return min(128, max(8, 1 << (mean - 1).bit_length()))
 
 
+# Token-slots (tokens x top-k) up to which quantized experts run as one GEMV per slot
+# (``pallas_kernels.moe_quant.routed_gemv``) instead of row tiles on the grouped engine. H200,
+# GLM-5.3-Flash expert shapes, all three formats (RESULTS.md, part 46): the GEMV takes 0.52-0.99x
+# the tiles' time at 8-64 slots and 0.97-1.48x at 128-256.
+ROUTED_GEMV_MAX_SLOTS = 64
+
+
 def quantized_experts(x, idx, w, methods, projs, limit: float, num_experts: int, expert_offset=0,
                       interpret=False):
     """:func:`grouped_experts` over quantized experts, dequantized inside the
-    ``pallas_kernels.moe_quant`` kernel (``interpret``: its CPU interpreter, for tests).
+    ``pallas_kernels.moe_quant`` kernels (``interpret``: their CPU interpreter, for tests).
     ``projs``: per projection (gate, up, down) the operands in the :class:`Experts` layout
     (codes ``[E', N, K']``, E' = layers x E when a scanned group's stack is passed whole;
-    ``expert_offset`` then selects the layer's E experts)."""
-    from pallas_kernels.moe_quant import gather_rows, grouped_matmul, route_tiles
+    ``expert_offset`` then selects the layer's E experts). Up to ``ROUTED_GEMV_MAX_SLOTS``
+    token-slots, and expert shapes the row GEMV takes, each slot is one GEMV against its expert;
+    otherwise the slots are packed into row tiles of one expert each."""
+    from pallas_kernels.moe_quant import gather_rows, grouped_matmul, route_tiles, routed_gemv, routed_gemv_supported
 
     n, k = idx.shape
-    tiles = route_tiles(idx, num_experts, tile_rows(idx.size, num_experts))
-    rows = gather_rows(x, tiles, k)                                             # [T·bm, D]
-    mm = lambda a, m, ops: grouped_matmul(a, tiles.tile_expert, m, *ops, expert_offset=expert_offset,
-                                          out_dtype=jnp.float32, interpret=interpret)
+    in_width = lambda m, ops: ops[0].shape[-1] * (2 if m == "nvfp4" else 1)
+    if idx.size <= ROUTED_GEMV_MAX_SLOTS and all(routed_gemv_supported(m, ops[0].shape[-2], in_width(m, ops))
+                                                 for m, ops in zip(methods, projs)):
+        slots = idx.reshape(-1)
+        rows = jnp.repeat(x, k, axis=0)                                          # [N·k, D], slot order
+        mm = lambda a, m, ops: routed_gemv(a, slots, m, *ops, expert_offset=expert_offset,
+                                           out_dtype=jnp.float32, interpret=interpret)
+        pick = lambda y: y
+    else:
+        tiles = route_tiles(idx, num_experts, tile_rows(idx.size, num_experts))
+        rows = gather_rows(x, tiles, k)                                         # [T·bm, D]
+        mm = lambda a, m, ops: grouped_matmul(a, tiles.tile_expert, m, *ops, expert_offset=expert_offset,
+                                              out_dtype=jnp.float32, interpret=interpret)
+        pick = lambda y: y[tiles.row_of_pair]
     g, u = mm(rows, methods[0], projs[0]), mm(rows, methods[1], projs[1])
     h = jax.nn.silu(jnp.minimum(g, limit)) * jnp.clip(u, -limit, limit)
-    y = mm(h.astype(x.dtype), methods[2], projs[2])[tiles.row_of_pair]          # [N·k, D], slot order
+    y = pick(mm(h.astype(x.dtype), methods[2], projs[2]))                      # [N·k, D], slot order
     return jnp.sum(y.reshape(n, k, -1) * w[..., None], axis=1)
 
 
