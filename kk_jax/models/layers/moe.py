@@ -94,9 +94,10 @@ def tile_rows(pairs: int, experts: int) -> int:
 
 # Token-slots (tokens x top-k) up to which quantized experts run as one GEMV per slot
 # (``pallas_kernels.moe_quant.routed_gemv``) instead of row tiles on the grouped engine. H200,
-# GLM-5.3-Flash expert shapes, all three formats (RESULTS.md, part 46): the GEMV takes 0.52-0.99x
-# the tiles' time at 8-64 slots and 0.97-1.48x at 128-256.
-ROUTED_GEMV_MAX_SLOTS = 64
+# GLM-5.3-Flash expert shapes (RESULTS.md, part 46): one projection takes 0.52-0.66x the tiles'
+# time at 8 slots, 0.73-0.85x at 32, 0.83-0.99x at 64 and 0.97-1.48x at 128-256; an 8-layer
+# NVFP4 model's decode step is 5.8 % faster at batch 1, level at batch 4 and 2.9 % slower at 8.
+ROUTED_GEMV_MAX_SLOTS = 32
 
 
 def quantized_experts(x, idx, w, methods, projs, limit: float, num_experts: int, expert_offset=0,
