@@ -362,7 +362,7 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
 
     experts [P] int32 (routed experts, one GEMV per token-slot): x [P, K] holds P rows, w_bytes
     [E, N, K'] and scales [E, ...] stack E experts' operands in the layouts above, w_scale_2 [P]
-    holds each row's global scale, and the output [P, N] has row p = x[p] @ expert experts[p]'s
+    holds each row's global scale (or [1], one for all), and the output [P, N] has row p = x[p] @ expert experts[p]'s
     weight^T. Each tile brings its row's x chunk through the ring with the codes (x is not staged
     whole); no fusions."""
     routed = experts is not None
@@ -374,8 +374,8 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
                          f"columns; got M={x.shape[0]}, N={n}, K={k}, codes {w_bytes.shape}"
                          + (" (experts given: codes [E, N, K'])" if routed else ""))
     if routed and (norm_weight is not None or residual is not None or glu or segments
-                  or experts.shape != (x.shape[0],) or jnp.size(w_scale_2) != x.shape[0]):
-        raise ValueError(f"{fmt.name}: with experts, x [P, K], experts [P], w_scale_2 [P] and no fusions; got "
+                  or experts.shape != (x.shape[0],) or jnp.size(w_scale_2) not in (1, x.shape[0])):
+        raise ValueError(f"{fmt.name}: with experts, x [P, K], experts [P], w_scale_2 [P] or [1] and no fusions; got "
                          f"x {x.shape}, experts {experts.shape}, w_scale_2 {jnp.shape(w_scale_2)}")
     kp = _padded_k(fmt, k)
     kcn, items = kp // fmt.tile_k, n // ROWS
@@ -390,8 +390,8 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
                          f"got N={n}, K={k}, {jnp.dtype(out_dtype).name}, residual={res}, glu={glu}")
     segments = tuple(segments or ((n // 2, n // 2) if glu else (n,)))
     s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(-1)
-    if routed:                                     # a whole number of 16-byte TMA rows
-        s2 = jnp.pad(s2, (0, -s2.shape[0] % 4))
+    if routed:                                     # one per row, a whole number of 16-byte TMA rows
+        s2 = jnp.pad(jnp.broadcast_to(s2, (rows_x,)), (0, -rows_x % 4))
     elif (sum(segments) != n or any(r % ROWS for r in segments) or (glu and segments != (n // 2,) * 2)
             or s2.shape[0] not in (1, len(segments))):
         raise ValueError(f"{fmt.name}: segments {segments} must be multiples of {ROWS} rows summing to N={n} "

@@ -55,5 +55,5 @@ def grouped_matmul(x_rows, tile_expert, fmt, w, *scales, expert_offset=0, backen
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-__all__ = ["grouped_matmul", "grouped_matmul_kernel", "routed_gemv", "routed_gemv_supported", "grouped_matmul_reference", "route_tiles", "gather_rows",
-           "Tiles", "validate", "FORMATS", "BACKENDS"]
+__all__ = ["grouped_matmul", "grouped_matmul_kernel", "grouped_matmul_reference", "routed_gemv",
+           "routed_gemv_supported", "route_tiles", "gather_rows", "Tiles", "validate", "FORMATS", "BACKENDS"]

@@ -16,21 +16,19 @@ multiplies its sums before that rounding).
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 
-from pallas_kernels import row_gemv
 from pallas_kernels.fp8_block import gemv as fp8_block_gemv
 from pallas_kernels.mxfp8 import gemv as mxfp8_gemv
 from pallas_kernels.nvfp4 import gemv as nvfp4_gemv
 
 from .reference import validate
 
-_FORMATS = {"nvfp4": nvfp4_gemv.FORMAT, "mxfp8": mxfp8_gemv.FORMAT, "fp8_block": fp8_block_gemv.FORMAT}
+_GEMVS = {"nvfp4": nvfp4_gemv, "mxfp8": mxfp8_gemv, "fp8_block": fp8_block_gemv}
 
 
 def supported(fmt: str, n: int, k: int) -> bool:
     """Whether one expert's [N, K] weight fits the row GEMV (N % 16, K's step and range)."""
-    return row_gemv.supported(_FORMATS[fmt], 1, n, k)
+    return _GEMVS[fmt].supported(1, n, k)
 
 
 def routed_gemv(x, experts, fmt, w, *scales, expert_offset=0, out_dtype=None, interpret=False):
@@ -41,10 +39,5 @@ def routed_gemv(x, experts, fmt, w, *scales, expert_offset=0, out_dtype=None, in
     if not supported(fmt, n, k):
         raise ValueError(f"routed_gemv: {fmt} experts of [{n}, {k}] do not fit the row GEMV")
     e = (experts + jnp.asarray(expert_offset, jnp.int32)).astype(jnp.int32)
-    if fmt == "nvfp4":
-        codes, block_scales, s2 = w, lax.bitcast_convert_type(scales[0], jnp.uint8), scales[1][e]
-    else:
-        codes, block_scales = lax.bitcast_convert_type(w, jnp.uint8), scales[0]
-        s2 = jnp.ones(x.shape[:1], jnp.float32)
-    return row_gemv.gemv(_FORMATS[fmt], x, codes, block_scales, s2, out_dtype=out_dtype or x.dtype,
-                         experts=e, interpret=interpret)
+    per_slot = (scales[0], scales[1][e]) if fmt == "nvfp4" else scales      # NVFP4: each slot's weight_scale_2
+    return _GEMVS[fmt].gemv(x, w, *per_slot, out_dtype=out_dtype or x.dtype, experts=e, interpret=interpret)

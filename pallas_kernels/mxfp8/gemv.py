@@ -43,6 +43,7 @@ def supported(m: int, n: int, k: int) -> bool:
 
 
 def gemv(x, w_q, w_scale, *, out_dtype, interpret=False, **fusions):
-    """x [1, K] bf16, w_q [N, K] e4m3, w_scale [K/32, N] uint8 E8M0 -> [1, N] out_dtype."""
+    """x [1, K] bf16, w_q [N, K] e4m3, w_scale [K/32, N] uint8 E8M0 -> [1, N] out_dtype.
+    ``fusions``: `row_gemv.gemv`'s keywords (``experts=``: its routed-expert form)."""
     return row_gemv.gemv(FORMAT, x, lax.bitcast_convert_type(w_q, jnp.uint8), w_scale,
                          jnp.ones((1,), jnp.float32), out_dtype=out_dtype, interpret=interpret, **fusions)

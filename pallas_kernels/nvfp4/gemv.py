@@ -74,6 +74,7 @@ def supported(m: int, n: int, k: int) -> bool:
 
 def gemv(x, w_q, w_scale, w_scale_2, *, out_dtype, interpret=False, **fusions):
     """x [1, K] bf16, w_q [N, K/2] uint8, w_scale [K/16, N] e4m3, w_scale_2 f32 -> [1, N]
-    out_dtype = x @ (e2m1 * w_scale * w_scale_2)^T."""
+    out_dtype = x @ (e2m1 * w_scale * w_scale_2)^T. ``fusions``: `row_gemv.gemv`'s keywords (with
+    ``experts=``, its routed-expert form: stacked operands, w_scale_2 [P] one per row)."""
     return row_gemv.gemv(FORMAT, x, w_q, lax.bitcast_convert_type(w_scale, jnp.uint8), w_scale_2,
                          out_dtype=out_dtype, interpret=interpret, **fusions)

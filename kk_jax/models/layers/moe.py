@@ -100,6 +100,11 @@ def tile_rows(pairs: int, experts: int) -> int:
 ROUTED_GEMV_MAX_SLOTS = 32
 
 
+def _in_width(method: str, ops: tuple) -> int:
+    """K of a quantized expert projection from its codes ``[E', N, K']`` (NVFP4: two per byte)."""
+    return ops[0].shape[-1] * (2 if method == "nvfp4" else 1)
+
+
 def quantized_experts(x, idx, w, methods, projs, limit: float, num_experts: int, expert_offset=0,
                       interpret=False):
     """:func:`grouped_experts` over quantized experts, dequantized inside the
@@ -112,8 +117,7 @@ def quantized_experts(x, idx, w, methods, projs, limit: float, num_experts: int,
     from pallas_kernels.moe_quant import gather_rows, grouped_matmul, route_tiles, routed_gemv, routed_gemv_supported
 
     n, k = idx.shape
-    in_width = lambda m, ops: ops[0].shape[-1] * (2 if m == "nvfp4" else 1)
-    if idx.size <= ROUTED_GEMV_MAX_SLOTS and all(routed_gemv_supported(m, ops[0].shape[-2], in_width(m, ops))
+    if idx.size <= ROUTED_GEMV_MAX_SLOTS and all(routed_gemv_supported(m, ops[0].shape[-2], _in_width(m, ops))
                                                  for m, ops in zip(methods, projs)):
         slots = idx.reshape(-1)
         rows = jnp.repeat(x, k, axis=0)                                          # [N·k, D], slot order
@@ -242,8 +246,7 @@ def kernel_takes(methods, block, projs) -> bool:
     if not all(methods) or (("fp8_block" in methods) and tuple(block) != (128, 128)):
         return False
     rows = lambda m: 128 if m == "fp8_block" else 64
-    k = lambda m, ops: ops[0].shape[-1] * (2 if m == "nvfp4" else 1)
-    return all(ops[0].shape[-2] % rows(m) == 0 and k(m, ops) % MIN_STEP.get(m, 32) == 0
+    return all(ops[0].shape[-2] % rows(m) == 0 and _in_width(m, ops) % MIN_STEP.get(m, 32) == 0
                for m, ops in zip(methods, projs))
 
 
