@@ -15,9 +15,10 @@ than an SM issues while HBM streams the codes. Here a thread decodes each code o
   CTAs, a cluster of CTAs shares each item, one K range each (`_plan`), and its first CTA adds
   the others' sums after a cluster barrier;
 * warp w takes bytes 64w..64w+63 of every row of a tile; lane (g, c) = (lane // 4, lane % 4)
-  the 16 bytes 64w + 16c.. of the 8 tile rows 8g..8g+7. Row group r's mma row g is tile row
-  8g + 2r, its row g + 8 is 8g + 2r + 1: a lane's 8 rows are contiguous, so their per-row
-  block scales are one 8-byte load (block FP8: one fp32 serves all 8);
+  the 16 bytes 64w + 16c.. of the 8 tile rows 8g..8g+7, in row slots j = 0..7 that hold row
+  8g + j, or 8g + (j XOR 4) for odd g (`_row_slot`). Row group r's mma row g is slot 2r, its
+  row g + 8 slot 2r + 1: a lane's 8 rows are contiguous, so their per-row block scales are one
+  8-byte load, its halves swapped for odd g (block FP8: one fp32 serves all 8);
 * the format turns a 32-bit word of codes and its row's block scale (`Format.scales`) into
   bf16x2 operands, operand i holding codes (i, i + `Format.pair`) of the word times the scale
   (`Format.operands`); two operands per row make an mma's A fragment for that row;
@@ -31,14 +32,27 @@ than an SM issues while HBM streams the codes. Here a thread decodes each code o
   memory, no round trip through HBM); the first multiplies the total by `Format.factor *
   w_scale_2` and its threads store it straight to the output (64 rows of a token coalesced).
 
+The ring's code and x tiles sit in shared memory with the 128-byte swizzle (`_tiles`), and odd
+lane groups take their row slots in the other half-order: the 8 lanes of a quarter-warp then
+load 8 different 16-byte bank groups of the codes (unswizzled, rows 8g and 8g + 8 met in the
+same banks), and x's tokens g and g + 1 do the same (NVFP4's lanes c and c + 2 still share banks,
+their x chunks lying 128 bytes apart). One H200, public NVFP4 `matmul`, device us, unswizzled ->
+swizzled, results unchanged (RESULTS.md part 47): 12288x4096 at 4 / 8 / 12 / 16 tokens 12.6 /
+12.7 / 17.7 / 17.6 -> 11.8 / 12.0 / 16.0 / 15.6, 4096x12288 13.9 / 14.1 / 17.3 / 17.4 -> 13.0 /
+13.1 / 15.5 / 15.2, 4096x4096 at 8 / 16 tokens 6.3 / 7.5 -> 5.9 / 6.9; MXFP8 and block FP8 within
++-1.5 % (their x met 2-way, not 4-way), except MXFP8 at 12 tokens on 12288x4096, 3.5 % slower:
+9-15 tokens are padded to 16 rows before the kernel, since TMA takes x in whole 8-row tiles or
+one tile of fewer rows.
+
 Shared-memory loads are 16 bytes with their alignment stated: without it the compiler split
 some of them into 2-byte loads (with 16-way bank conflicts; that made two 8-token column blocks
 2.5x slower than one). With two column blocks NVFP4 ran 1.1-1.6x faster than the wgmma engine
 on the H200 (RESULTS.md, part 30) and MXFP8 0.98-1.31x where 3 CTAs fit an SM; where only 2 fit
 (its 16-token slots) MXFP8 ran 0.8-0.9x the engine, so it keeps the engine there
 (`Format.wide_ctas_per_sm`; part 31). Since the engine decodes NVFP4 words the same way (part
-35), the two are within 4 % of each other at 12 and 16 tokens (this GEMV faster on 4096x4096,
-the engine on 12288x4096 and 4096x12288); at 2-8 tokens the engine took 3-19 % longer.
+35), the two were within 4 % of each other at 12 and 16 tokens before the swizzle (this GEMV
+faster on 4096x4096, the engine on 12288x4096 and 4096x12288); at 2-8 tokens the engine took
+3-19 % longer.
 Interpret mode (CPU tests) runs the same ring and epilogue with jnp tile math
 (`Format.values`).
 """
@@ -67,7 +81,6 @@ from pallas_kernels.common import (CTA_SMEM_RESERVE, SMEM_PER_SM, cst, gpu_fence
 ROWS = 64                    # weight rows per item
 GROUPS = ROWS // 16          # m16 row groups per item
 TILE_BYTES = 256             # bytes of codes per row and K tile (one TMA box)
-_X_BOX = 256                 # x is staged in [M, 256] boxes (the TMA box limit)
 _STAGES = 2                  # ring slots per CTA (3 ran 15-25 % slower on the H200)
 _CTAS_PER_SM = 3             # at most; fewer where shared memory runs out
 MAX_M = 16                   # tokens: two n8 column blocks (`Format.wide_ctas_per_sm` may refuse 9-16)
@@ -94,19 +107,20 @@ class Scales(NamedTuple):
                         # in its leading rows)
     box: Callable       # (scale ref in HBM, item, K tile) -> the view one TMA copy brings
     view: Callable      # (slot ref, K tile) -> what the tile's update reads of the slot
-    read: Callable      # inline: (view, i32 K block in the tile) -> the scales of the lane's 8
-                        # rows 8g..8g+7, as `Format.operands` takes them
+    read: Callable      # inline: (view, i32 K block in the tile, i1 swap) -> the scales of the
+                        # lane's 8 rows in its load order (`_row_slot`): rows 8g..8g+7, or
+                        # 8g+4..8g+7, 8g..8g+3 where swap; as `Format.operands` takes them
 
 
 def row_scales(rows: int, convert: Callable) -> Scales:
     """uint8 scales [K / block, N], one a row and K block (NVFP4, MXFP8): a tile's [rows, 64]
     box; ``convert`` turns a vector<8 x i8> of a lane's 8 row scales into 8 values (inline)."""
 
-    def read(view, kb):
+    def read(view, kb, swap):
         g = arith.shrui(arith.andi(mgpu_utils.thread_idx(), cst(31)), cst(2))
         sv = vector.load(ir.VectorType.get((8,), ir.IntegerType.get_signless(8)), view,
                          [ix(kb), ix(arith.muli(g, cst(8)))], alignment=8)
-        return convert(sv)
+        return convert(arith.select(swap, vector.shuffle(sv, sv, [4, 5, 6, 7, 0, 1, 2, 3]), sv))
 
     return Scales(dtype=jnp.uint8, slot=(rows, ROWS),
                   box=lambda s_ref, item, kc: s_ref.at[pl.ds(kc * rows, rows), pl.ds(item * ROWS, ROWS)],
@@ -153,13 +167,35 @@ def supported(fmt: Format, m: int, n: int, k: int) -> bool:
             and (m <= 8 or _plan(fmt, n, k, m)[0] >= fmt.wide_ctas_per_sm))
 
 
+def _tiles(shape, dtype):
+    """A ring of [rows, cols] tiles in SMEM as TMA writes them, (8, 128 bytes) tiles with the
+    128-byte swizzle (16-byte unit u of a tile row r at u XOR r % 8), and the same bytes as raw
+    [rows * cols * itemsize / 16, 16 bytes] units that the inline loads address. Unswizzled, the
+    lanes of a quarter-warp met in the same banks: lane groups g and g + 1 load rows 8 apart of
+    the codes (2 KiB) and tokens g and g + 1 of x (a whole number of 128-byte rows apart)."""
+    stages, rows, cols = shape
+    unit = 16 // jnp.dtype(dtype).itemsize
+    per_row = 128 // jnp.dtype(dtype).itemsize
+    return plgpu.RefUnion(
+        plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, per_row)), plgpu.SwizzleTransform(128))),
+        plgpu.SMEM((stages, rows * cols // unit, unit), dtype))
+
+
+def _row_slot(g, j):
+    """Inline: the tile row of lane group g's row slot j (0-7): 8g + j, or 8g + (j XOR 4) for odd
+    g, so that the two lane groups of a quarter-warp load rows of different swizzle phase
+    (`_tiles`)."""
+    return arith.addi(arith.muli(g, cst(8)), arith.xori(cst(j), arith.shli(arith.andi(g, cst(1)), cst(2))))
+
+
 def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, m, interpret):
-    """acc += this tile's products. w_ref [64, 256] u8 codes, s_ref the tile's scales
-    (`Scales.view`), x_ref [tile K / 256, 8 * blocks, 256] bf16 (rows past M are not read
-    into any stored output). Interpret mode: acc [64, M] f32, the same operand values summed by
-    XLA."""
+    """acc += this tile's products. s_ref: the tile's scales (`Scales.view`). GPU: the ring
+    slot's raw views of the swizzled tiles (`_tiles`), w_ref [1024, 16] u8 codes, x_ref
+    [8 * blocks * tile K / 8, 8] bf16 (rows past M are not read into any stored output).
+    Interpret mode: their tiled views, w_ref [64, 256], x_ref [8 * blocks, tile K], and acc
+    [64, M] f32, the same operand values summed by XLA."""
     if interpret:
-        xs = jnp.concatenate([x_ref[b, :m] for b in range(fmt.tile_k // _X_BOX)], axis=1).astype(jnp.float32)
+        xs = x_ref[:m].astype(jnp.float32)
         return acc + jnp.dot(fmt.values(w_ref[...], s_ref[...]), xs.T, precision=lax.Precision.HIGHEST)
 
     nb = _blocks(m)
@@ -177,21 +213,26 @@ def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, m, interpret):
         g, c = arith.shrui(lane, cst(2)), arith.andi(lane, cst(3))
         cpb = fmt.codes_per_byte
         first = arith.muli(arith.addi(arith.muli(warp, cst(64)), arith.muli(c, cst(16))), cst(cpb))  # lane's 1st K
+        zero = cst(0, ir.IndexType.get())
 
-        # x: token g + 8b's 16 cpb values from the lane's first K, in 16-byte loads; xw[b][j] = (x[2j], x[2j + 1])
-        box, col = ix(arith.shrui(first, cst(8))), arith.andi(first, cst(_X_BOX - 1))
+        # x: token g + 8b's 16 cpb values from the lane's first K, in 16-byte loads; xw[b][j] = (x[2j], x[2j + 1]).
+        # Chunk (8 values) first / 8 + v of token t sits at 16-byte unit (t // 8 * tile K / 64 + first // 64) * 64
+        # + t % 8 * 8 + ((first % 64 / 8 + v) XOR t % 8), and first % 64 / 8 has no bit of v.
+        xbase = arith.addi(arith.addi(arith.shli(arith.shrui(first, cst(6)), cst(6)), arith.muli(g, cst(8))),
+                           arith.xori(arith.shrui(arith.andi(first, cst(63)), cst(3)), g))
         xw = [[] for _ in range(nb)]
         for b in range(nb):
             for v in range(2 * cpb):
-                xw[b] += words_of(vector.load(ir.VectorType.get((8,), ir.BF16Type.get()), x_smem,
-                                              [box, ix(arith.addi(g, cst(8 * b))), ix(arith.addi(col, cst(8 * v)))],
+                unit = arith.xori(arith.addi(xbase, cst(b * fmt.tile_k)), cst(v))
+                xw[b] += words_of(vector.load(ir.VectorType.get((8,), ir.BF16Type.get()), x_smem, [ix(unit), zero],
                                               alignment=16))
 
         # block scales of the lane's 8 rows for each K block its codes touch
         kb0 = arith.shrui(first, cst(fmt.block.bit_length() - 1))
         word_codes = 4 * cpb
         blocks = sorted({word_codes * s // fmt.block for s in range(4)})
-        scale = {b: fmt.scales.read(s_smem, arith.addi(kb0, cst(b))) for b in blocks}
+        swap = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(g, cst(1)), cst(0))
+        scale = {b: fmt.scales.read(s_smem, arith.addi(kb0, cst(b)), swap) for b in blocks}
 
         # B operands of word s's mma e in column block b: the x values of the codes in A's
         # k-slots, (x[2e], x[2e + pair]) and (x[2e + 1], x[2e + 1 + pair]) of the word's x
@@ -207,12 +248,18 @@ def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, m, interpret):
 
         regs = acc_in.registers.flat[0]
         accs = [vector.extract(regs, [], [j]) for j in range(4 * GROUPS * nb)]   # (block, group, q)
-        wcol = ix(arith.addi(arith.muli(warp, cst(64)), arith.muli(c, cst(16))))
+        # codes: row slot j's 16 bytes at column 64 warp + 16c sit at 16-byte unit row // 8 * 128 +
+        # warp // 2 * 64 + row % 8 * 8 + ((4 (warp % 2) + c) XOR row % 8), row = `_row_slot(g, j)`:
+        # wbase XOR 9j
+        o = arith.shli(arith.andi(g, cst(1)), cst(2))
+        wbase = arith.addi(arith.addi(arith.muli(g, cst(128)), arith.muli(arith.shrui(warp, cst(1)), cst(64))),
+                           arith.addi(arith.shli(o, cst(3)),
+                                      arith.xori(arith.addi(arith.muli(arith.andi(warp, cst(1)), cst(4)), c), o)))
         struct = llvm.StructType.get_literal([f32] * 4)
         for r in range(GROUPS):
-            rows = [ix(arith.addi(arith.muli(g, cst(8)), cst(2 * r + h))) for h in range(2)]
-            codes = [words_of(vector.load(ir.VectorType.get((16,), i8), w_smem, [row, wcol], alignment=16))
-                     for row in rows]
+            codes = [words_of(vector.load(ir.VectorType.get((16,), i8), w_smem,
+                                          [ix(arith.xori(wbase, cst(9 * (2 * r + h)))), zero], alignment=16))
+                     for h in range(2)]
             for s in range(4):
                 sc = scale[word_codes * s // fmt.block]
                 ops = [fmt.operands(codes[h][s], sc[2 * r + h]) for h in range(2)]
@@ -242,7 +289,7 @@ def _owned(t, m):
 def _warp_sums(acc, red_ref, *, m, interpret):
     """red_ref[0, tok, row] <- the item's sum D[row][tok] over the 4 warps, for the pairs each
     thread owns (`_owned`); red_ref [4, 8 * blocks, 64] f32. Thread t's sums (column block b, row
-    group r, element q) are D[8g + 2r + q // 2][8b + 2c + q % 2]."""
+    group r, element q) are D[`_row_slot`(g, 2r + q // 2)][8b + 2c + q % 2]."""
     if interpret:
         red_ref[0, pl.ds(0, m)] = acc.T
         return
@@ -260,7 +307,7 @@ def _warp_sums(acc, red_ref, *, m, interpret):
             for r in range(GROUPS):
                 for q in range(4):
                     tok = arith.addi(arith.muli(c, cst(2)), cst(8 * b + q % 2))
-                    row = arith.addi(arith.muli(g, cst(8)), cst(2 * r + q // 2))
+                    row = _row_slot(g, 2 * r + q // 2)
                     memref.store(vector.extract(regs, [], [4 * (b * GROUPS + r) + q]), red_smem,
                                  [ix(warp), ix(tok), ix(row)])
         mgpu_utils.warpgroup_barrier()
@@ -373,11 +420,9 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
     clusters = min(items, num_sms() * per_sm // splits)
     s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
     emulated = interpret and splits > 1              # members' sums added by XLA
-    x_boxes = fmt.tile_k // _X_BOX
-
     def kernel(x_ref, w_ref, s_ref, s2_ref, y_ref, *refs):
         part_ref = refs[0] if emulated else None
-        x_smem, w_smem, s_smem, red_smem, s2_smem, bar, *merge = refs[emulated:]
+        (x_smem, x_raw), (w_smem, w_raw), s_smem, red_smem, s2_smem, bar, *merge = refs[emulated:]
         cl, member = lax.axis_index("c"), lax.axis_index("s")
         tiles = lax.div(items - cl + clusters - 1, clusters) * kts   # items cl, cl + clusters, ... x K tiles
 
@@ -391,9 +436,9 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
                                     w_smem.at[slot], b)
             box = fmt.scales.box(s_ref, item, kc)
             plgpu.copy_gmem_to_smem(box, s_smem.at[slot, pl.ds(0, box.shape[0])], b)
-            for h in range(x_boxes):
-                plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(kc * fmt.tile_k + h * _X_BOX, _X_BOX)],
-                                        x_smem.at[slot, h, pl.ds(0, m)], b)
+            # on the GPU whole 8-row tiles: TMA fills the rows past M with zeros
+            tokens = pl.ds(0, m if interpret else xr)
+            plgpu.copy_gmem_to_smem(x_ref.at[tokens, pl.ds(kc * fmt.tile_k, fmt.tile_k)], x_smem.at[slot, tokens], b)
 
         for p in range(_STAGES):
             @pl.when(p < tiles)
@@ -405,7 +450,8 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
             slot = lax.rem(i, _STAGES)
             item, kc = where(i)
             plgpu.barrier_wait(bar.at[slot])
-            acc = _tile_update(fmt, acc, w_smem.at[slot], fmt.scales.view(s_smem.at[slot], kc), x_smem.at[slot], m=m,
+            w_tile, x_tile = (w_smem, x_smem) if interpret else (w_raw, x_raw)
+            acc = _tile_update(fmt, acc, w_tile.at[slot], fmt.scales.view(s_smem.at[slot], kc), x_tile.at[slot], m=m,
                                interpret=interpret)
             plgpu.commit_smem()                               # every thread is done with the slot
 
@@ -455,19 +501,21 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
     call = plgpu.kernel(
         kernel, out_type=(jax.ShapeDtypeStruct((m, n), out_dtype),
                           *([jax.ShapeDtypeStruct((splits, m, n), jnp.float32)] if emulated else [])),
-        scratch_types=[plgpu.SMEM((_STAGES, x_boxes, xr, _X_BOX), jnp.bfloat16),
-                       plgpu.SMEM((_STAGES, ROWS, TILE_BYTES), jnp.uint8),
+        scratch_types=[_tiles((_STAGES, xr, fmt.tile_k), jnp.bfloat16), _tiles((_STAGES, ROWS, TILE_BYTES), jnp.uint8),
                        plgpu.SMEM((_STAGES, *fmt.scales.slot), fmt.scales.dtype),
                        plgpu.SMEM((4, xr, ROWS), jnp.float32),
                        plgpu.SMEM((1,), jnp.float32),
-                       plgpu.Barrier(num_arrivals=2 + x_boxes, num_barriers=_STAGES),
+                       plgpu.Barrier(num_arrivals=3, num_barriers=_STAGES),
                        *([plgpu.SMEM((splits - 1, xr, ROWS), jnp.float32),
                           plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1, num_barriers=1)] if merged
                          else [])],
         **layout,
         compiler_params=hand_synced(approx_math=False),
         **interpret_kwargs(interpret))
-    out = call(x.astype(jnp.bfloat16), w_bytes, scales, s2)
+    x = x.astype(jnp.bfloat16)
+    if 8 < m < xr and not interpret:      # TMA takes x in whole 8-row tiles, or one of fewer rows
+        x = jnp.pad(x, ((0, xr - m), (0, 0)))
+    out = call(x, w_bytes, scales, s2)
     if emulated:
         return (out[1].sum(0) * (s2[0] * fmt.factor)).astype(out_dtype)
     return out[0]

@@ -35,8 +35,8 @@ def _operands(word, scale):
     return [bf16x2_word(v[i], v[i + 2]) for i in range(2)]
 
 
-def _read(view, kb):
-    """The tile's scale of K block kb, the same for the lane's 8 rows."""
+def _read(view, kb, swap):
+    """The tile's scale of K block kb, the same for the lane's 8 rows (in any order)."""
     return [memref.load(view, [cst(0, ir.IndexType.get()), ix(kb)])] * 8
 
 
