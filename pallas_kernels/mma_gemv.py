@@ -1,5 +1,5 @@
-"""Weight-streaming GEMV for 2-16 activation rows (decode of small batches, speculative verify)
-on the tensor cores' `mma.sync.m16n8k16` (bf16 operands, fp32 sums), for weight formats whose
+"""Weight-streaming GEMV for 1-16 activation rows (decode of small batches, speculative verify,
+one row of a large weight outside the row GEMV's fusions) on the tensor cores' `mma.sync.m16n8k16` (bf16 operands, fp32 sums), for weight formats whose
 dequantized weights are bf16 values: NVFP4 (two codes a byte) and MXFP8 (one), exactly, and
 block FP8 (one), whose W8A16 weights are bf16(f32(w_q) * scale) by definition.
 
@@ -161,10 +161,20 @@ class Format(NamedTuple):
 
 
 def supported(fmt: Format, m: int, n: int, k: int) -> bool:
-    """2 <= M <= 16 activation rows (9-16 where `_plan` fits `fmt.wide_ctas_per_sm` CTAs an SM),
+    """1 <= M <= 16 activation rows (9-16 where `_plan` fits `fmt.wide_ctas_per_sm` CTAs an SM),
     N a multiple of 64, K a multiple of the tile's K and `fmt.k_step`."""
-    return (2 <= m <= MAX_M and n % ROWS == 0 and k % fmt.k_multiple == 0
+    return (1 <= m <= MAX_M and n % ROWS == 0 and k % fmt.k_multiple == 0
             and (m <= 8 or _plan(fmt, n, k, m)[0] >= fmt.wide_ctas_per_sm))
+
+
+def takes_one_row(n: int) -> bool:
+    """Whether one activation row runs faster here than on the CUDA-core row GEMV (`row_gemv.py`,
+    which spends an FMA and a conversion per weight where this GEMV's tensor cores take the
+    products): where the weight has a 64-row item for every SM. One H200, NVFP4 / block FP8 at
+    K = 4096, device us, row GEMV -> this one (RESULTS.md part 48): 24576 rows 21.8 -> 18.7 /
+    28.2 -> 26.9, 12288 rows 12.2 -> 11.8 / 15.7 -> 15.4; on 4096 and 6144 rows and on 4096x12288
+    the row GEMV was 4-20 % faster, and for MXFP8 on every shape (so MXFP8 does not ask)."""
+    return n // ROWS >= num_sms()
 
 
 def _tiles(shape, dtype):
@@ -398,7 +408,7 @@ def _plan(fmt: Format, n: int, k: int, m: int) -> tuple[int, int]:
 
 @functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "interpret"))
 def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
-    """x [M, K] bf16 (2 <= M <= 16), w_bytes uint8 [N, K / codes_per_byte], scales the
+    """x [M, K] bf16 (1 <= M <= 16), w_bytes uint8 [N, K / codes_per_byte], scales the
     format's block scales in HBM (`Format.scales`: uint8 [K / block, N] for NVFP4 and MXFP8, fp32
     [ceil(N / 128), K / 128] for block FP8), w_scale_2 f32 (one value) -> [M, N] out_dtype
     (`supported` shapes).
@@ -411,7 +421,7 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
     n = w_bytes.shape[0]
     if not supported(fmt, m, n, k) or w_bytes.shape[1] * fmt.codes_per_byte != k:
         wide = f" (9-16 where {fmt.wide_ctas_per_sm} CTAs fit an SM)" if fmt.wide_ctas_per_sm > 1 else ""
-        raise ValueError(f"{fmt.name} serves 2 <= M <= {MAX_M}{wide}, N % {ROWS} == 0, K % {fmt.k_multiple} == 0 with "
+        raise ValueError(f"{fmt.name} serves 1 <= M <= {MAX_M}{wide}, N % {ROWS} == 0, K % {fmt.k_multiple} == 0 with "
                          f"codes of K / {fmt.codes_per_byte} bytes; got M={m}, N={n}, K={k}, codes {w_bytes.shape}")
     per_sm, splits = _plan(fmt, n, k, m)
     nb = _blocks(m)

@@ -1,7 +1,8 @@
 """Block-FP8 matmuls on Hopper.
 
 * W8A16 (default): one activation row on a shape the CUDA-core GEMV serves goes there
-  (``gemv.py``), 2-16 rows on a shape the `mma.sync` GEMV serves to it (``mma_gemv.py``);
+  (``gemv.py``), 1-16 rows on a shape the `mma.sync` GEMV serves to it (``mma_gemv.py``; one
+  row first there on weights of 64 rows an SM and more, `pallas_kernels.mma_gemv.takes_one_row`);
   everything else runs the shared dequantizing engine
   (``pallas_kernels/mxfp8/wdequant.py``; on the GPU, calls of more than 64 rows its
   warp-specialized form ``prefill_ws.py``) with one fp32 scale per min(128, ``tk``)
@@ -28,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import common
+from pallas_kernels import mma_gemv as mma_kernel
 from pallas_kernels.mxfp8 import wdequant as wd
 
 from . import gemv, mma_gemv, w8a8_ws
@@ -58,8 +60,9 @@ def matmul_kernel(x, w_q, w_scale_inv, *, block=DEFAULT_BLOCK, act_quant=False, 
         y = _w8a8(x2, w_q, w_scale_inv, np_, out_dtype, interpret, **plan_overrides)
         return y.reshape(*lead, n)
     if not plan_overrides:
-        for form in (gemv, mma_gemv):
-            if form.supported(x2.shape[0], n, k):
+        m = x2.shape[0]
+        for form in (mma_gemv, gemv) if m == 1 and mma_kernel.takes_one_row(n) else (gemv, mma_gemv):
+            if form.supported(m, n, k):
                 y = form.gemv(x2.astype(jnp.bfloat16), w_q, w_scale_inv, out_dtype=jnp.dtype(out_dtype),
                               interpret=interpret)
                 return y.reshape(*lead, n)

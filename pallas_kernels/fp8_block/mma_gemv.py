@@ -1,4 +1,4 @@
-"""Block FP8 (W8A16) on the mma GEMV for 2-16 activation rows (`pallas_kernels/mma_gemv.py`) of
+"""Block FP8 (W8A16) on the mma GEMV for 1-16 activation rows (`pallas_kernels/mma_gemv.py`) of
 weights with at least `MIN_N` rows (9-16 rows only where the plan fits 3 CTAs an SM): one e4m3
 code a byte, one fp32 scale per 128x128 block.
 
@@ -70,7 +70,7 @@ def supported(m: int, n: int, k: int) -> bool:
 
 
 def gemv(x, w_q, w_scale_inv, *, out_dtype, interpret=False):
-    """x [M, K] bf16 (2 <= M <= 16, `supported`), w_q [N, K] e4m3, w_scale_inv [ceil(N/128), K/128]
+    """x [M, K] bf16 (1 <= M <= 16, `supported`), w_q [N, K] e4m3, w_scale_inv [ceil(N/128), K/128]
     f32 -> [M, N] out_dtype."""
     return mma_gemv.gemv(FORMAT, x, lax.bitcast_convert_type(w_q, jnp.uint8), w_scale_inv,
                          jnp.ones((1,), jnp.float32), out_dtype=out_dtype, interpret=interpret)

@@ -9,13 +9,13 @@
            w[n, k] = w_q[n, k] * 2^(w_scale[k // 32, n] - 127)
   returns  [..., N]  out_dtype (default x.dtype), fp32 accumulation
   wide_scales  whether some E8M0 byte exceeds 134 (a 32-block whose largest weight passes 2^16):
-           the 2-16-row GEMV cannot take those, so such calls run the engine; None reads it from
+           the mma GEMV cannot take those, so such calls run the engine; None reads it from
            a concrete w_scale (a traced one is taken as narrow; the linear layers pass it)
 
 backend="xla": the jnp twin (``reference.py``): dequantize to bf16 (exact), XLA dot.
 backend="pallas": Mosaic GPU kernels (``kernel.py``): weight tiles stay MXFP8 in HBM and are
 dequantized in registers. One activation row runs the CUDA-core GEMV (``gemv.py``, over
-``pallas_kernels/row_gemv.py``); 2-16 rows the `mma.sync` GEMV (``mma_gemv.py``) where it
+``pallas_kernels/row_gemv.py``); 1-16 rows the `mma.sync` GEMV (``mma_gemv.py``) where it
 serves the shape; other decode-shaped calls (M <= 64) the tensor-core engine (``wdequant.py``)
 with K split across CTAs to stream the weights at full bandwidth; larger M its prefill tiling,
 on the GPU its warp-specialized form (``prefill_ws.py``). interpret=True runs them in Mosaic GPU interpret mode (CPU). The backend is

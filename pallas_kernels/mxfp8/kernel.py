@@ -1,5 +1,5 @@
 """MXFP8 weight-only matmul on Hopper: one activation row on a shape the CUDA-core GEMV serves
-goes there (``gemv.py``), 2-16 rows on a shape the `mma.sync` GEMV serves to it
+goes there (``gemv.py``), 1-16 rows on a shape the `mma.sync` GEMV serves to it
 (``mma_gemv.py``); everything else runs the shared dequantizing engine (``wdequant.py``) with
 32-column groups, one E8M0 scale per row and group. See ``wdequant`` for the design."""
 
@@ -14,7 +14,7 @@ from .reference import validate
 
 def matmul_kernel(x, w_q, w_scale, *, out_dtype=None, interpret=False, wide_scales=None, **plan_overrides):
     """x [..., K] @ dequant(w_q)^T -> [..., N]; plan_overrides: tk, splits, stages, bm.
-    ``wide_scales``: whether some E8M0 byte exceeds ``mma_gemv.MAX_SCALE`` (2-16 rows then run
+    ``wide_scales``: whether some E8M0 byte exceeds ``mma_gemv.MAX_SCALE`` (1-16 rows then run
     the engine); None reads it from a concrete w_scale (``mma_gemv.wide_scales``)."""
     validate(x, w_q, w_scale)
     out_dtype = out_dtype or x.dtype

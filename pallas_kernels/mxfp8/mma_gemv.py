@@ -1,4 +1,4 @@
-"""MXFP8 on the mma GEMV for 2-16 activation rows (`pallas_kernels/mma_gemv.py`; 9-16 only where
+"""MXFP8 on the mma GEMV for 1-16 activation rows (`pallas_kernels/mma_gemv.py`; 9-16 only where
 the plan fits 3 CTAs an SM): one e4m3 code a byte, E8M0 scales per 32.
 
 * operands: a word's 4 codes make two bf16x2 operands, operand i = codes (i, i + 2). A code's 7
@@ -62,7 +62,7 @@ def supported(m: int, n: int, k: int) -> bool:
 
 
 def gemv(x, w_q, w_scale, *, out_dtype, interpret=False):
-    """x [M, K] bf16 (2 <= M <= 16, `supported`), w_q [N, K] e4m3, w_scale [K/32, N] uint8 E8M0 -> [M, N]
+    """x [M, K] bf16 (1 <= M <= 16, `supported`), w_q [N, K] e4m3, w_scale [K/32, N] uint8 E8M0 -> [M, N]
     out_dtype."""
     return mma_gemv.gemv(FORMAT, x, lax.bitcast_convert_type(w_q, jnp.uint8), w_scale, jnp.ones((1,), jnp.float32),
                          out_dtype=out_dtype, interpret=interpret)

@@ -1,9 +1,10 @@
 """NVFP4 weight-only matmul on Hopper (RESULTS.md part 35 for the H200 numbers below).
 
 * One activation row (decode at batch 1) on a shape the CUDA-core GEMV serves: ``gemv.py``
-  (the engine took 1.13-1.38x its time).
-* 2-16 rows: the `mma.sync` GEMV, ``mma_gemv.py`` (the engine took 3-19 % longer at 2-8 rows,
-  and was within 4 % at 12-16).
+  (the engine took 1.13-1.38x its time), except on weights of 64 rows an SM and more
+  (`pallas_kernels.mma_gemv.takes_one_row`), where the `mma.sync` GEMV is faster.
+* 1-16 rows otherwise: the `mma.sync` GEMV, ``mma_gemv.py`` (the engine took 3-19 % longer at
+  2-8 rows, and was within 4 % at 12-16).
 * Everything else: the shared dequantizing engine (``pallas_kernels/mxfp8/wdequant.py``, prefill
   in its warp-specialized form). Whole words of codes become wgmma register operands
   (``operands.py``) in a K order that x is stored in once per call (a pass over the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels import mma_gemv as mma_kernel
 from pallas_kernels.mxfp8 import wdequant as wd
 
 from . import gemv, mma_gemv
@@ -28,11 +30,12 @@ def matmul_kernel(x, w_q, w_scale, w_scale_2, *, out_dtype=None, interpret=False
     x2 = x.reshape(-1, k).astype(jnp.bfloat16)
     n = w_q.shape[0]
     s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
-    if not plan_overrides and gemv.supported(x2.shape[0], n, k):
-        y = gemv.gemv(x2, w_q, w_scale, s2, out_dtype=jnp.dtype(out_dtype), interpret=interpret)
-        return y.reshape(*lead, n)
-    if not plan_overrides and mma_gemv.supported(x2.shape[0], n, k):
-        return mma_gemv.gemv(x2, w_q, w_scale, s2, out_dtype=jnp.dtype(out_dtype), interpret=interpret).reshape(*lead, n)
+    if not plan_overrides:
+        m = x2.shape[0]
+        for form in (mma_gemv, gemv) if m == 1 and mma_kernel.takes_one_row(n) else (gemv, mma_gemv):
+            if form.supported(m, n, k):
+                y = form.gemv(x2, w_q, w_scale, s2, out_dtype=jnp.dtype(out_dtype), interpret=interpret)
+                return y.reshape(*lead, n)
     np_, kp = wd.round_up(n, wd.BN), wd.round_up(k, wd.MIN_STEP["nvfp4"])
     # N / K padding copies the weight: only for shapes no real layer has (N % 64, K % 128).
     w = wd.pad_cols(wd.pad_rows(w_q, np_), kp // 2)

@@ -120,7 +120,7 @@ def test_few_rows_on_many_weight_rows_run_the_mma_gemv(monkeypatch, gemv_spy):
     plan fits 3 CTAs an SM."""
     assert mma_gemv.supported(2, 7168, 2048) and mma_gemv.supported(16, 24576, 4096)
     assert not mma_gemv.supported(8, 6144, 4096) and not mma_gemv.supported(16, 12288, 4096 + 256)
-    assert not mma_gemv.supported(1, 12288, 4096) and not mma_gemv.supported(17, 12288, 4096)
+    assert mma_gemv.supported(1, 12288, 4096) and not mma_gemv.supported(17, 12288, 4096)
     monkeypatch.setattr(mma_gemv, "MIN_N", 64)
     assert not mma_gemv.supported(16, 2048, 4096) and mma_gemv.supported(8, 2048, 4096)
     calls = gemv_spy(mma_gemv)
@@ -132,8 +132,21 @@ def test_few_rows_on_many_weight_rows_run_the_mma_gemv(monkeypatch, gemv_spy):
     x, wq, ws = make(4, 64, 768, seed=2)                  # K = 768: the engine
     assert orc.rel_err(matmul_kernel(x, wq, ws, out_dtype=jnp.float32, interpret=True), oracle_w8a16(x, wq, ws)) < 1e-5
     assert len(calls) == 1
-    with pytest.raises(ValueError, match="fp8_block_mma_gemv serves 2 <= M <= 16 .*K % 512 == 0"):
+    with pytest.raises(ValueError, match="fp8_block_mma_gemv serves 1 <= M <= 16 .*K % 512 == 0"):
         mma_gemv.gemv(x.astype(jnp.bfloat16), wq, ws, out_dtype=jnp.float32, interpret=True)
+
+
+@pytest.mark.parametrize("sms,mma", [(2, True), (4, False)])
+def test_one_row_of_a_large_weight_runs_the_mma_gemv(sms, mma, monkeypatch, gemv_spy):
+    """One W8A16 row goes to the mma GEMV where the weight has a 64-row item for every SM (here 3
+    items: for 2 SMs, not 4; MIN_N lowered to 64), else to the row GEMV; both give the oracle's result."""
+    monkeypatch.setattr(mma_gemv, "MIN_N", 64)
+    mma_calls = gemv_spy(mma_gemv, sms, items=3, tiles=4, kernel=mma_kernel)
+    row_calls = gemv_spy(gemv)
+    x, wq, ws = make(1, 192, 1024, seed=8)
+    y = matmul_kernel(x, wq, ws, out_dtype=jnp.float32, interpret=True)
+    assert (len(mma_calls), len(row_calls)) == ((1, 0) if mma else (0, 1))
+    assert orc.rel_err(y, oracle_w8a16(x, wq, ws)) < 1e-6
 
 
 def test_activation_quantization_rule():
@@ -170,11 +183,12 @@ def test_lowers_for_hopper(m, act_quant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("act_quant", [False, True])
-@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 2048, 7168), (300, 512, 1024), (1100, 384, 640),
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 2048, 7168), (1, 12288, 4096), (300, 512, 1024), (1100, 384, 640),
                                    (1100, 2560, 640), (2, 12288, 4096), (8, 7168, 2048), (9, 24576, 4096),
                                    (16, 10240, 4096), (5, 4096, 4096), (12, 4096, 12288)])
 def test_compiled_kernel_matches_oracle(m, n, k, act_quant):
-    """W8A16: one row on the GEMV; 2-16 rows of 7168 weight rows and more on the mma GEMV (K
+    """W8A16: one row on the GEMV (on 12288 rows the mma GEMV); 2-16 rows of 7168 weight rows and
+    more on the mma GEMV (K
     splits, two column blocks), of 4096 on the engine; the prefill forms. W8A8: its kernels."""
     x, wq, ws = make(m, n, k, seed=5)
     y = matmul(x, wq, ws, act_quant=act_quant, backend="pallas", out_dtype=jnp.float32)

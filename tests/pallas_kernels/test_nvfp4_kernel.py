@@ -115,13 +115,25 @@ def test_few_rows_run_the_mma_gemv(m, n, k, sms, splits, gemv_spy):
     assert yb.dtype == jnp.bfloat16 and orc.rel_err(yb, oracle(x, *w)) < 4e-3
 
 
-def test_mma_gemv_serves_two_to_sixteen_rows():
-    assert mma_gemv.supported(2, 4096, 4096) and mma_gemv.supported(16, 64, 512)
-    assert not mma_gemv.supported(1, 4096, 4096) and not mma_gemv.supported(17, 4096, 4096)
+def test_mma_gemv_serves_one_to_sixteen_rows():
+    assert mma_gemv.supported(1, 4096, 4096) and mma_gemv.supported(16, 64, 512)
+    assert not mma_gemv.supported(17, 4096, 4096)
     assert not mma_gemv.supported(4, 4096 + 16, 4096) and not mma_gemv.supported(4, 4096, 4096 + 256)
     x, *w = make(17, 64, 512)
-    with pytest.raises(ValueError, match="nvfp4_mma_gemv serves 2 <= M <= 16"):
+    with pytest.raises(ValueError, match="nvfp4_mma_gemv serves 1 <= M <= 16"):
         mma_gemv.gemv(x, *w, out_dtype=jnp.float32, interpret=True)
+
+
+@pytest.mark.parametrize("sms,mma", [(2, True), (4, False)])
+def test_one_row_of_a_large_weight_runs_the_mma_gemv(sms, mma, gemv_spy):
+    """One row goes to the mma GEMV where the weight has a 64-row item for every SM (here 3 items:
+    for 2 SMs, not 4), else to the row GEMV; both give the oracle's result."""
+    mma_calls = gemv_spy(mma_gemv, sms, items=3, tiles=4, kernel=mma_kernel)
+    row_calls = gemv_spy(gemv)
+    x, *w = make(1, 192, 2048, seed=9)
+    y = matmul_kernel(x, *w, out_dtype=jnp.float32, interpret=True)
+    assert (len(mma_calls), len(row_calls)) == ((1, 0) if mma else (0, 1))
+    assert orc.rel_err(y, oracle(x, *w)) < 1e-5
 
 
 def test_bad_operands_are_named():
@@ -147,12 +159,12 @@ def test_lowers_for_hopper(m, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 4096, 12288), (1, 256, 1024), (1, 4096, 7168),
                                    (300, 512, 1024), (2, 4096, 4096), (8, 4096, 12288), (5, 2048, 4096),
-                                   (3, 12288, 4096), (4, 256, 16384),
+                                   (3, 12288, 4096), (1, 12288, 4096), (4, 256, 16384),
                                    (16, 4096, 4096), (12, 12288, 4096), (9, 4096, 12288),
                                    (64, 2048, 4096), (40, 512, 384), (24, 4096, 12288), (130, 256, 640)])
 def test_compiled_kernel_matches_oracle(m, n, k):
-    """M = 1 with K a multiple of 2048 runs the GEMV, K = 1024 the engine; M = 2-16 the mma GEMV
-    (K split over clusters of 2, 4 and 8 CTAs; 9-16 on two column blocks); 17-64 rows the
+    """M = 1 runs the GEMV (K = 1024: a partial last tile; on 12288 rows the mma GEMV); M = 2-16
+    the mma GEMV (K split over clusters of 2, 4 and 8 CTAs; 9-16 on two column blocks); 17-64 rows the
     engine's decode tiles (K = 384, 640: 128-code steps, 64-byte swizzle), 130 its prefill tiles."""
     x, *w = make(m, n, k, seed=7)
     assert orc.rel_err(matmul(x, *w, backend="pallas", out_dtype=jnp.float32), oracle(x, *w)) < 1e-4
