@@ -73,6 +73,16 @@ def test_one_row_runs_the_gemv(n, k, sms, gemv_spy):
     assert not gemv.supported(2, n, k) and not gemv.supported(1, n, k + 128)
 
 
+def test_one_row_past_the_gemvs_k_runs_the_mma_gemv(gemv_spy):
+    """One row whose K the CUDA-core GEMV cannot stage (past 16384) runs the mma GEMV, not the
+    engine."""
+    rows, few = gemv_spy(gemv), gemv_spy(mma_gemv)
+    x, wq, ws = make(1, 64, 16896, seed=5)
+    assert not gemv.supported(1, 64, 16896) and mma_gemv.supported(1, 64, 16896)
+    y = matmul_kernel(x, wq, ws, out_dtype=jnp.float32, interpret=True)
+    assert (len(rows), len(few)) == (0, 1) and orc.rel_err(y, oracle(x, wq, ws)) < 1e-5
+
+
 @pytest.mark.parametrize("m,n,k,sms,splits", [
     (2, 64, 2048, None, 2),     # one item: its 8 K tiles split over a cluster of 2, 4 each
     (6, 128, 8192, None, 8),    # 2 items, 32 tiles: clusters of 8, 4 tiles each
