@@ -1,7 +1,8 @@
 """Weight-streaming GEMV for 1-16 activation rows (decode of small batches, speculative verify,
-one row of a large weight outside the row GEMV's fusions) on the tensor cores' `mma.sync.m16n8k16` (bf16 operands, fp32 sums), for weight formats whose
-dequantized weights are bf16 values: NVFP4 (two codes a byte) and MXFP8 (one), exactly, and
-block FP8 (one), whose W8A16 weights are bf16(f32(w_q) * scale) by definition.
+one row of a large weight outside the row GEMV's fusions) on the tensor cores'
+`mma.sync.m16n8k16` (bf16 operands, fp32 sums), for weight formats whose dequantized weights are
+bf16 values: NVFP4 (two codes a byte) and MXFP8 (one), exactly, and block FP8 (one), whose W8A16
+weights are bf16(f32(w_q) * scale) by definition.
 
     y [M, N] = x [M, K] (bf16) @ dequant(w)^T * w_scale_2, fp32 sums, rounded once
 
@@ -168,12 +169,11 @@ def supported(fmt: Format, m: int, n: int, k: int) -> bool:
 
 
 def takes_one_row(n: int) -> bool:
-    """Whether one activation row runs faster here than on the CUDA-core row GEMV (`row_gemv.py`,
-    which spends an FMA and a conversion per weight where this GEMV's tensor cores take the
-    products): where the weight has a 64-row item for every SM. One H200, NVFP4 / block FP8 at
-    K = 4096, device us, row GEMV -> this one (RESULTS.md part 48): 24576 rows 21.8 -> 18.7 /
-    28.2 -> 26.9, 12288 rows 12.2 -> 11.8 / 15.7 -> 15.4; on 4096 and 6144 rows and on 4096x12288
-    the row GEMV was 4-20 % faster, and for MXFP8 on every shape (so MXFP8 does not ask)."""
+    """Whether one activation row runs faster here than on the CUDA-core row GEMV (`row_gemv.py`):
+    where the weight has a 64-row item for every SM. One H200, NVFP4 / block FP8 at K = 4096,
+    device us, row GEMV -> this one (RESULTS.md part 48): 24576 rows 21.8 -> 18.7 / 28.2 -> 26.9,
+    12288 rows 12.2 -> 11.8 / 15.7 -> 15.4; on 4096 and 6144 rows and on 4096x12288 the row GEMV
+    was 4-21 % faster, and for MXFP8 on every shape (so MXFP8 does not ask)."""
     return n // ROWS >= num_sms()
 
 
