@@ -177,6 +177,12 @@ def takes_one_row(n: int) -> bool:
     return n // ROWS >= num_sms()
 
 
+def gemv_order(m: int, n: int, row_form, mma_form) -> tuple:
+    """A format's two GEMV modules in the order a call of M rows on N weight rows tries them: the
+    row GEMV first, except for one row where `takes_one_row`."""
+    return (mma_form, row_form) if m == 1 and takes_one_row(n) else (row_form, mma_form)
+
+
 def _tiles(shape, dtype):
     """A ring of [rows, cols] tiles in SMEM as TMA writes them, (8, 128 bytes) tiles with the
     128-byte swizzle (16-byte unit u of a tile row r at u XOR r % 8), and the same bytes as raw

@@ -61,7 +61,7 @@ def matmul_kernel(x, w_q, w_scale_inv, *, block=DEFAULT_BLOCK, act_quant=False, 
         return y.reshape(*lead, n)
     if not plan_overrides:
         m = x2.shape[0]
-        for form in (mma_gemv, gemv) if m == 1 and mma_kernel.takes_one_row(n) else (gemv, mma_gemv):
+        for form in mma_kernel.gemv_order(m, n, gemv, mma_gemv):
             if form.supported(m, n, k):
                 y = form.gemv(x2.astype(jnp.bfloat16), w_q, w_scale_inv, out_dtype=jnp.dtype(out_dtype),
                               interpret=interpret)

@@ -32,7 +32,7 @@ def matmul_kernel(x, w_q, w_scale, w_scale_2, *, out_dtype=None, interpret=False
     s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
     if not plan_overrides:
         m = x2.shape[0]
-        for form in (mma_gemv, gemv) if m == 1 and mma_kernel.takes_one_row(n) else (gemv, mma_gemv):
+        for form in mma_kernel.gemv_order(m, n, gemv, mma_gemv):
             if form.supported(m, n, k):
                 y = form.gemv(x2, w_q, w_scale, s2, out_dtype=jnp.dtype(out_dtype), interpret=interpret)
                 return y.reshape(*lead, n)
