@@ -10,16 +10,21 @@ The one-row GEMV (`row_gemv.py`) spends one FMA per weight; at M = 8 that would 
 than an SM issues while HBM streams the codes. Here a thread decodes each code once into a bf16
 `mma` operand and the tensor cores do the M products, so the cost per byte barely depends on M:
 
-* an item is ROWS = 64 weight rows; its K tiles (64 rows x 256 bytes of codes, their block
-  scales (`Format.scales`) and x's [M, tile K] slice) stream through a ring of TMA slots in
-  persistent CTAs, which take the items round-robin; where N has fewer items than the grid has
-  CTAs, a cluster of CTAs shares each item, one K range each (`_plan`), and its first CTA adds
-  the others' sums after a cluster barrier;
-* warp w takes bytes 64w..64w+63 of every row of a tile; lane (g, c) = (lane // 4, lane % 4)
-  the 16 bytes 64w + 16c.. of the 8 tile rows 8g..8g+7, in row slots j = 0..7 that hold row
-  8g + j, or 8g + (j XOR 4) for odd g (`_row_slot`). Row group r's mma row g is slot 2r, its
-  row g + 8 slot 2r + 1: a lane's 8 rows are contiguous, so their per-row block scales are one
-  8-byte load, its halves swapped for odd g (block FP8: one fp32 serves all 8);
+* an item is 32 or 64 weight rows (`ITEM_ROWS`, the plan's choice); its K tiles (16 KiB of
+  codes: 32 rows x 512 bytes or 64 x 256, their block scales (`Format.scales`) and x's [M, tile
+  K] slice) stream through a ring of TMA slots in persistent CTAs, which take the items
+  round-robin; where N has fewer items than the grid has CTAs, a cluster of CTAs shares each
+  item, one K range each (`_plan`), and its first CTA adds the others' sums after a cluster
+  barrier. A 32-row tile spans twice the K of a 64-row one, so the same bytes stream in half the
+  rows, which the H200 copies faster (`benchmarks/bench_stream.py`: 16 KiB tiles of 32 rows
+  streamed 12288x4096 and 4096x4096 bytes 10-12 % faster than tiles of 64 rows, RESULTS.md part
+  48);
+* lane (g, c) = (lane // 4, lane % 4) of warp w takes R = rows / 8 rows of a tile, in row slots
+  j < R that hold row R g + j (or 8g + (j XOR 4) for odd g where R = 8, `_row_slot`), and of
+  each row the 16 bytes from 64h + 16c for h = U w + u, u < U = 8 / R (a warp: its quarter of
+  every row). Row group r's mma row g is slot 2r, its row g + 8 slot 2r + 1: a lane's rows are
+  contiguous, so their per-row block scales are one R-byte load (halves swapped for odd g where
+  R = 8; block FP8: one fp32 serves all R);
 * the format turns a 32-bit word of codes and its row's block scale (`Format.scales`) into
   bf16x2 operands, operand i holding codes (i, i + `Format.pair`) of the word times the scale
   (`Format.operands`); two operands per row make an mma's A fragment for that row;
@@ -28,13 +33,14 @@ than an SM issues while HBM streams the codes. Here a thread decodes each code o
   values in fp32 (the jnp twins' numerics up to the summation order);
 * 9-16 tokens take a second n8 column block: each A fragment feeds a second mma against tokens
   8-15, so the decoding, which bounds the tile, is shared by both blocks;
-* at an item's end the 4 warps' partial [64, M] sums meet in shared memory; with a K split the
+* at an item's end the 4 warps' partial [rows, M] sums meet in shared memory; with a K split the
   other cluster members store theirs into the first member's shared memory (distributed shared
   memory, no round trip through HBM); the first multiplies the total by `Format.factor *
-  w_scale_2` and its threads store it straight to the output (64 rows of a token coalesced).
+  w_scale_2` and its threads store it straight to the output (the item's rows of a token
+  coalesced).
 
-The ring's code and x tiles sit in shared memory with the 128-byte swizzle (`_tiles`), and odd
-lane groups take their row slots in the other half-order: the 8 lanes of a quarter-warp then
+The ring's code and x tiles sit in shared memory with the 128-byte swizzle (`_tiles`), and the
+two lane groups of a quarter-warp load rows 4 apart modulo 8 (`_row_slot`): its 8 lanes then
 load 8 different 16-byte bank groups of the codes (unswizzled, rows 8g and 8g + 8 met in the
 same banks), and x's tokens g and g + 1 do the same (NVFP4's lanes c and c + 2 still share banks,
 their x chunks lying 128 bytes apart). One H200, public NVFP4 `matmul`, device us, unswizzled ->
@@ -79,9 +85,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.common import (CTA_SMEM_RESERVE, SMEM_PER_SM, cst, gpu_fence, hand_synced, interpret_kwargs, ix,
                                     max_active_clusters, num_sms)
 
-ROWS = 64                    # weight rows per item
-GROUPS = ROWS // 16          # m16 row groups per item
-TILE_BYTES = 256             # bytes of codes per row and K tile (one TMA box)
+TILE_SIZE = 16384            # bytes of codes per K tile: an item's rows x `tile_bytes`
+ITEM_ROWS = (32, 64)         # weight rows per item, the plan's choice (`_plan`)
 _STAGES = 2                  # ring slots per CTA (3 ran 15-25 % slower on the H200)
 _CTAS_PER_SM = 3             # at most; fewer where shared memory runs out
 MAX_M = 16                   # tokens: two n8 column blocks (`Format.wide_ctas_per_sm` may refuse 9-16)
@@ -96,36 +101,48 @@ def _blocks(m: int) -> int:
     return -(-m // 8)
 
 
-def _acc(blocks: int):
-    """Thread t's sums: 4 per row group and column block."""
-    return plgpu.Layout.WG_STRIDED((128, 4 * GROUPS * blocks), 4 * GROUPS * blocks)
+def tile_bytes(rows: int) -> int:
+    """Bytes of codes per weight row and K tile for items of ``rows`` (64 or 32) weight rows."""
+    return TILE_SIZE // rows
+
+
+def _acc(rows: int, blocks: int):
+    """Thread t's sums: 4 per m16 row group and column block."""
+    return plgpu.Layout.WG_STRIDED((128, rows // 4 * blocks), rows // 4 * blocks)
 
 
 class Scales(NamedTuple):
-    """How a tile's block scales reach a lane."""
+    """How a tile's block scales reach a lane, for items of ``rows`` weight rows (`ITEM_ROWS`)."""
     dtype: object       # element type of the scale array
-    slot: tuple         # shared-memory buffer per ring slot (a 128-byte multiple; the box lands
-                        # in its leading rows)
-    box: Callable       # (scale ref in HBM, item, K tile) -> the view one TMA copy brings
-    view: Callable      # (slot ref, K tile) -> what the tile's update reads of the slot
-    read: Callable      # inline: (view, i32 K block in the tile, i1 swap) -> the scales of the
-                        # lane's 8 rows in its load order (`_row_slot`): rows 8g..8g+7, or
-                        # 8g+4..8g+7, 8g..8g+3 where swap; as `Format.operands` takes them
+    slot: Callable      # rows -> shape of the shared-memory buffer per ring slot (a 128-byte
+                        # multiple; the box lands in its leading rows)
+    box: Callable       # (scale ref in HBM, item, K tile, rows) -> the view one TMA copy brings
+    view: Callable      # (slot ref, K tile, rows) -> what the tile's update reads of the slot
+    read: Callable      # inline: (view, i32 K block in the tile, lane group g, rows) -> the
+                        # scales of the lane's rows / 8 rows in its load order (`_row_slot`), as
+                        # `Format.operands` takes them
 
 
-def row_scales(rows: int, convert: Callable) -> Scales:
-    """uint8 scales [K / block, N], one a row and K block (NVFP4, MXFP8): a tile's [rows, 64]
-    box; ``convert`` turns a vector<8 x i8> of a lane's 8 row scales into 8 values (inline)."""
+def row_scales(block_bytes: int, convert: Callable) -> Scales:
+    """uint8 scales [K / block, N], one a row and K block of ``block_bytes`` bytes of codes
+    (NVFP4, MXFP8): a tile's [tile bytes / block_bytes, rows] box; ``convert`` turns a
+    vector<R x i8> of a lane's R row scales into R values (inline)."""
 
-    def read(view, kb, swap):
-        g = arith.shrui(arith.andi(mgpu_utils.thread_idx(), cst(31)), cst(2))
-        sv = vector.load(ir.VectorType.get((8,), ir.IntegerType.get_signless(8)), view,
-                         [ix(kb), ix(arith.muli(g, cst(8)))], alignment=8)
-        return convert(arith.select(swap, vector.shuffle(sv, sv, [4, 5, 6, 7, 0, 1, 2, 3]), sv))
+    def read(view, kb, g, rows):
+        per_lane = rows // 8
+        sv = vector.load(ir.VectorType.get((per_lane,), ir.IntegerType.get_signless(8)), view,
+                         [ix(kb), ix(arith.muli(g, cst(per_lane)))], alignment=per_lane)
+        if per_lane == 8:                # odd lane groups load their rows' halves swapped (`_row_slot`)
+            swap = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(g, cst(1)), cst(0))
+            sv = arith.select(swap, vector.shuffle(sv, sv, [4, 5, 6, 7, 0, 1, 2, 3]), sv)
+        return convert(sv)
 
-    return Scales(dtype=jnp.uint8, slot=(rows, ROWS),
-                  box=lambda s_ref, item, kc: s_ref.at[pl.ds(kc * rows, rows), pl.ds(item * ROWS, ROWS)],
-                  view=lambda slot, kc: slot, read=read)
+    def box(s_ref, item, kc, rows):
+        blocks = tile_bytes(rows) // block_bytes
+        return s_ref.at[pl.ds(kc * blocks, blocks), pl.ds(item * rows, rows)]
+
+    return Scales(dtype=jnp.uint8, slot=lambda rows: (tile_bytes(rows) // block_bytes, rows), box=box,
+                  view=lambda slot, kc, rows: slot, read=read)
 
 
 def bf16x2_times(op, scale):
@@ -144,28 +161,28 @@ class Format(NamedTuple):
     operands: Callable  # inline: (i32 word, its row's scale from `scales.read`) -> [operand bits
                         # (i32 bf16x2, the codes' values times the scale)] for i = 0, 1, ...
     scales: Scales
-    values: Callable    # jnp: (codes u8 [64, 256], the scales' view) -> [64, tile K] f32 operand
-                        # values times their scales, as the GPU multiplies them
+    values: Callable    # jnp: (codes u8 [rows, tile bytes], the scales' view) -> [rows, tile K]
+                        # f32 operand values times their scales, as the GPU multiplies them
     issue_bound: bool = False   # decoding, not memory, bounds a tile: of equally loaded plans
                                 # the one with the fewest K splits (`_plan`)
     wide_ctas_per_sm: int = 1   # 9-16 tokens (a second column block) only where the plan fits
                                 # this many CTAs an SM
     k_step: int = 1             # K must also be a multiple of this
 
-    @property
-    def tile_k(self) -> int:
-        return TILE_BYTES * self.codes_per_byte
+    def tile_k(self, rows: int) -> int:
+        """Codes along K per tile for items of ``rows`` weight rows."""
+        return tile_bytes(rows) * self.codes_per_byte
 
-    @property
-    def k_multiple(self) -> int:
-        return math.lcm(self.tile_k, self.k_step)
+    def k_multiple(self, rows: int) -> int:
+        return math.lcm(self.tile_k(rows), self.k_step)
 
 
 def supported(fmt: Format, m: int, n: int, k: int) -> bool:
     """1 <= M <= 16 activation rows (9-16 where `_plan` fits `fmt.wide_ctas_per_sm` CTAs an SM),
-    N a multiple of 64, K a multiple of the tile's K and `fmt.k_step`."""
-    return (1 <= m <= MAX_M and n % ROWS == 0 and k % fmt.k_multiple == 0
-            and (m <= 8 or _plan(fmt, n, k, m)[0] >= fmt.wide_ctas_per_sm))
+    N a multiple of 64, K a multiple of a 64-row item's tile K and of `fmt.k_step` (32-row items
+    where N and K allow them too, `_plan`)."""
+    return (1 <= m <= MAX_M and n % 64 == 0 and k % fmt.k_multiple(64) == 0
+            and (m <= 8 or _plan(fmt, n, k, m).per_sm >= fmt.wide_ctas_per_sm))
 
 
 def takes_one_row(n: int) -> bool:
@@ -174,7 +191,7 @@ def takes_one_row(n: int) -> bool:
     device us, row GEMV -> this one (RESULTS.md part 48): 24576 rows 21.8 -> 18.7 / 28.2 -> 26.9,
     12288 rows 12.2 -> 11.8 / 15.7 -> 15.4; on 4096 and 6144 rows and on 4096x12288 the row GEMV
     was 4-21 % faster, and for MXFP8 on every shape (so MXFP8 does not ask)."""
-    return n // ROWS >= num_sms()
+    return n // 64 >= num_sms()
 
 
 def gemv_order(m: int, n: int, row_form, mma_form) -> tuple:
@@ -197,27 +214,30 @@ def _tiles(shape, dtype):
         plgpu.SMEM((stages, rows * cols // unit, unit), dtype))
 
 
-def _row_slot(g, j):
-    """Inline: the tile row of lane group g's row slot j (0-7): 8g + j, or 8g + (j XOR 4) for odd
-    g, so that the two lane groups of a quarter-warp load rows of different swizzle phase
-    (`_tiles`)."""
-    return arith.addi(arith.muli(g, cst(8)), arith.xori(cst(j), arith.shli(arith.andi(g, cst(1)), cst(2))))
+def _row_slot(rows, g, j):
+    """Inline: the tile row of lane group g's row slot j (0 .. R - 1, R = rows / 8 rows a lane):
+    R g + j, or for R = 8 and odd g 8g + (j XOR 4). Either way row % 8 = j XOR 4 (g % 2), so the
+    two lane groups of a quarter-warp load rows of different swizzle phase (`_tiles`)."""
+    per_lane = rows // 8
+    slot = arith.xori(cst(j), arith.shli(arith.andi(g, cst(1)), cst(2))) if per_lane == 8 else cst(j)
+    return arith.addi(arith.muli(g, cst(per_lane)), slot)
 
 
-def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, m, interpret):
+def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, m, rows, interpret):
     """acc += this tile's products. s_ref: the tile's scales (`Scales.view`). GPU: the ring
     slot's raw views of the swizzled tiles (`_tiles`), w_ref [1024, 16] u8 codes, x_ref
     [8 * blocks * tile K / 8, 8] bf16 (rows past M are not read into any stored output).
-    Interpret mode: their tiled views, w_ref [64, 256], x_ref [8 * blocks, tile K], and acc
-    [64, M] f32, the same operand values summed by XLA."""
+    Interpret mode: their tiled views, w_ref [rows, tile bytes], x_ref [8 * blocks, tile K], and
+    acc [rows, M] f32, the same operand values summed by XLA."""
     if interpret:
         xs = x_ref[:m].astype(jnp.float32)
         return acc + jnp.dot(fmt.values(w_ref[...], s_ref[...]), xs.T, precision=lax.Precision.HIGHEST)
 
-    nb = _blocks(m)
+    nb, groups, units, tk = _blocks(m), rows // 16, tile_bytes(rows) // 256, fmt.tile_k(rows)
+    layout = _acc(rows, nb)
 
-    @plgpu.inline_mgpu(arg_types=(_acc(nb), plgpu.RefType(), plgpu.RefType(), plgpu.RefType()),
-                       return_type=plgpu.ShapeDtypeStruct((128, 4 * GROUPS * nb), jnp.float32, layout=_acc(nb)))
+    @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType(), plgpu.RefType(), plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((128, 4 * groups * nb), jnp.float32, layout=layout))
     def update(_, acc_in, w_smem, s_smem, x_smem):
         f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
         i8 = ir.IntegerType.get_signless(8)
@@ -228,91 +248,96 @@ def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, m, interpret):
         warp, lane = arith.shrui(t, cst(5)), arith.andi(t, cst(31))
         g, c = arith.shrui(lane, cst(2)), arith.andi(lane, cst(3))
         cpb = fmt.codes_per_byte
-        first = arith.muli(arith.addi(arith.muli(warp, cst(64)), arith.muli(c, cst(16))), cst(cpb))  # lane's 1st K
         zero = cst(0, ir.IndexType.get())
-
-        # x: token g + 8b's 16 cpb values from the lane's first K, in 16-byte loads; xw[b][j] = (x[2j], x[2j + 1]).
-        # Chunk (8 values) first / 8 + v of token t sits at 16-byte unit (t // 8 * tile K / 64 + first // 64) * 64
-        # + t % 8 * 8 + ((first % 64 / 8 + v) XOR t % 8), and first % 64 / 8 has no bit of v.
-        xbase = arith.addi(arith.addi(arith.shli(arith.shrui(first, cst(6)), cst(6)), arith.muli(g, cst(8))),
-                           arith.xori(arith.shrui(arith.andi(first, cst(63)), cst(3)), g))
-        xw = [[] for _ in range(nb)]
-        for b in range(nb):
-            for v in range(2 * cpb):
-                unit = arith.xori(arith.addi(xbase, cst(b * fmt.tile_k)), cst(v))
-                xw[b] += words_of(vector.load(ir.VectorType.get((8,), ir.BF16Type.get()), x_smem, [ix(unit), zero],
-                                              alignment=16))
-
-        # block scales of the lane's 8 rows for each K block its codes touch
-        kb0 = arith.shrui(first, cst(fmt.block.bit_length() - 1))
         word_codes = 4 * cpb
-        blocks = sorted({word_codes * s // fmt.block for s in range(4)})
-        swap = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(g, cst(1)), cst(0))
-        scale = {b: fmt.scales.read(s_smem, arith.addi(kb0, cst(b)), swap) for b in blocks}
-
-        # B operands of word s's mma e in column block b: the x values of the codes in A's
-        # k-slots, (x[2e], x[2e + pair]) and (x[2e + 1], x[2e + 1 + pair]) of the word's x
         half = fmt.pair // 2
         per_word = cpb                                       # mmas a word (2 cpb operands) feeds
-        bops = {}
-        for b in range(nb):
-            for s in range(4):
-                xs = xw[b][2 * cpb * s:2 * cpb * (s + 1)]
-                for e in range(per_word):
-                    bops[b, s, e] = [asm([xs[e], xs[e + half]], f"prmt.b32 $0, $1, $2, {sel};", "=r,r,r")
-                                     for sel in ("0x5410", "0x7632")]
-
-        regs = acc_in.registers.flat[0]
-        accs = [vector.extract(regs, [], [j]) for j in range(4 * GROUPS * nb)]   # (block, group, q)
-        # codes: row slot j's 16 bytes at column 64 warp + 16c sit at 16-byte unit row // 8 * 128 +
-        # warp // 2 * 64 + row % 8 * 8 + ((4 (warp % 2) + c) XOR row % 8), row = `_row_slot(g, j)`:
-        # wbase XOR 9j
-        o = arith.shli(arith.andi(g, cst(1)), cst(2))
-        wbase = arith.addi(arith.addi(arith.muli(g, cst(128)), arith.muli(arith.shrui(warp, cst(1)), cst(64))),
-                           arith.addi(arith.shli(o, cst(3)),
-                                      arith.xori(arith.addi(arith.muli(arith.andi(warp, cst(1)), cst(4)), c), o)))
         struct = llvm.StructType.get_literal([f32] * 4)
-        for r in range(GROUPS):
-            codes = [words_of(vector.load(ir.VectorType.get((16,), i8), w_smem,
-                                          [ix(arith.xori(wbase, cst(9 * (2 * r + h)))), zero], alignment=16))
-                     for h in range(2)]
-            for s in range(4):
-                sc = scale[word_codes * s // fmt.block]
-                ops = [fmt.operands(codes[h][s], sc[2 * r + h]) for h in range(2)]
-                for e in range(per_word):
-                    # A: rows g / g + 8 at k-slots (2c, 2c + 1) = operand 2e, (2c + 8, 2c + 9) = 2e + 1
-                    a = [ops[h][2 * e + p] for p in range(2) for h in range(2)]
-                    for b in range(nb):
-                        at = slice(4 * (b * GROUPS + r), 4 * (b * GROUPS + r) + 4)
-                        d = llvm.inline_asm(struct, a + bops[b, s, e] + accs[at], _MMA,
-                                            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-                        accs[at] = [llvm.extractvalue(f32, d, [q]) for q in range(4)]
-        out = np.array([vector.from_elements(ir.VectorType.get((4 * GROUPS * nb,), f32), accs)], dtype=object)
-        return mgpu_fa.FragmentedArray(_registers=out, _layout=_acc(nb).to_mgpu(), _is_signed=None)
+        regs = acc_in.registers.flat[0]
+        accs = [vector.extract(regs, [], [j]) for j in range(4 * groups * nb)]   # (block, group, q)
+        o = arith.shli(arith.andi(g, cst(1)), cst(2))
+        # units before the lane's rows: row // 8 = g // (8 / R) (`_row_slot`) times a row of (8, 128 bytes) tiles
+        row_tiles = arith.muli(arith.shrui(g, cst(4 - (rows // 8).bit_length())), cst(tile_bytes(rows) // 2))
+        for u in range(units):
+            # the lane's u-th 16 bytes of each of its rows: bytes 64 h + 16c, h = units * warp + u
+            h = arith.addi(arith.muli(warp, cst(units)), cst(u))
+            first = arith.muli(arith.addi(arith.muli(h, cst(64)), arith.muli(c, cst(16))), cst(cpb))  # its 1st K
+
+            # x: token g + 8b's 16 cpb values from first, in 16-byte loads; xw[b][j] = (x[2j], x[2j + 1]).
+            # Chunk (8 values) first / 8 + v of token t sits at 16-byte unit (t // 8 * tile K / 64 + first // 64)
+            # * 64 + t % 8 * 8 + ((first % 64 / 8 + v) XOR t % 8), and first % 64 / 8 has no bit of v.
+            xbase = arith.addi(arith.addi(arith.shli(arith.shrui(first, cst(6)), cst(6)), arith.muli(g, cst(8))),
+                               arith.xori(arith.shrui(arith.andi(first, cst(63)), cst(3)), g))
+            xw = [[] for _ in range(nb)]
+            for b in range(nb):
+                for v in range(2 * cpb):
+                    unit = arith.xori(arith.addi(xbase, cst(b * tk)), cst(v))
+                    xw[b] += words_of(vector.load(ir.VectorType.get((8,), ir.BF16Type.get()), x_smem,
+                                                  [ix(unit), zero], alignment=16))
+
+            # block scales of the lane's rows for each K block these codes touch
+            kb0 = arith.shrui(first, cst(fmt.block.bit_length() - 1))
+            blocks = sorted({word_codes * s // fmt.block for s in range(4)})
+            scale = {bl: fmt.scales.read(s_smem, arith.addi(kb0, cst(bl)), g, rows) for bl in blocks}
+
+            # B operands of word s's mma e in column block b: the x values of the codes in A's
+            # k-slots, (x[2e], x[2e + pair]) and (x[2e + 1], x[2e + 1 + pair]) of the word's x
+            bops = {}
+            for b in range(nb):
+                for s in range(4):
+                    xs = xw[b][2 * cpb * s:2 * cpb * (s + 1)]
+                    for e in range(per_word):
+                        bops[b, s, e] = [asm([xs[e], xs[e + half]], f"prmt.b32 $0, $1, $2, {sel};", "=r,r,r")
+                                         for sel in ("0x5410", "0x7632")]
+
+            # codes: row slot j's 16 bytes sit at 16-byte unit (row // 8 * tile bytes / 128 + h // 2) * 64 +
+            # row % 8 * 8 + ((4 (h % 2) + c) XOR row % 8), row = `_row_slot(g, j)`, row % 8 = j XOR o: wbase XOR 9j
+            wbase = arith.addi(arith.addi(row_tiles, arith.shli(arith.shrui(h, cst(1)), cst(6))),
+                               arith.addi(arith.shli(o, cst(3)),
+                                          arith.xori(arith.addi(arith.shli(arith.andi(h, cst(1)), cst(2)), c), o)))
+            for r in range(groups):
+                codes = [words_of(vector.load(ir.VectorType.get((16,), i8), w_smem,
+                                              [ix(arith.xori(wbase, cst(9 * (2 * r + q)))), zero], alignment=16))
+                         for q in range(2)]
+                for s in range(4):
+                    sc = scale[word_codes * s // fmt.block]
+                    ops = [fmt.operands(codes[q][s], sc[2 * r + q]) for q in range(2)]
+                    for e in range(per_word):
+                        # A: rows g / g + 8 at k-slots (2c, 2c + 1) = operand 2e, (2c + 8, 2c + 9) = 2e + 1
+                        a = [ops[q][2 * e + p] for p in range(2) for q in range(2)]
+                        for b in range(nb):
+                            at = slice(4 * (b * groups + r), 4 * (b * groups + r) + 4)
+                            d = llvm.inline_asm(struct, a + bops[b, s, e] + accs[at], _MMA,
+                                                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+                            accs[at] = [llvm.extractvalue(f32, d, [q]) for q in range(4)]
+        out = np.array([vector.from_elements(ir.VectorType.get((4 * groups * nb,), f32), accs)], dtype=object)
+        return mgpu_fa.FragmentedArray(_registers=out, _layout=layout.to_mgpu(), _is_signed=None)
 
     return update(acc, w_ref, s_ref, x_ref)
 
 
-def _owned(t, m):
-    """The (token, row) pairs of an item's output that thread t finishes: row t % 64, tokens
-    t // 64 + 2j below M (as (predicate, token, row) triples)."""
-    row, tok0 = arith.andi(t, cst(ROWS - 1)), arith.shrui(t, cst(6))
-    for j in range(-(-m // 2)):
-        tok = arith.addi(tok0, cst(2 * j))
+def _owned(t, m, rows):
+    """The (token, row) pairs of an item's output that thread t finishes: row t % rows, tokens
+    t // rows + 128 / rows * j below M (as (predicate, token, row) triples)."""
+    step = 128 // rows
+    row, tok0 = arith.andi(t, cst(rows - 1)), arith.shrui(t, cst(rows.bit_length() - 1))
+    for j in range(-(-m // step)):
+        tok = arith.addi(tok0, cst(step * j))
         yield arith.cmpi(arith.CmpIPredicate.ult, tok, cst(m)), tok, row
 
 
 def _warp_sums(acc, red_ref, *, m, interpret):
     """red_ref[0, tok, row] <- the item's sum D[row][tok] over the 4 warps, for the pairs each
-    thread owns (`_owned`); red_ref [4, 8 * blocks, 64] f32. Thread t's sums (column block b, row
-    group r, element q) are D[`_row_slot`(g, 2r + q // 2)][8b + 2c + q % 2]."""
+    thread owns (`_owned`); red_ref [4, 8 * blocks, rows] f32. Thread t's sums (column block b,
+    row group r, element q) are D[`_row_slot`(g, 2r + q // 2)][8b + 2c + q % 2]."""
     if interpret:
         red_ref[0, pl.ds(0, m)] = acc.T
         return
 
-    nb = _blocks(m)
+    nb, rows = _blocks(m), red_ref.shape[-1]
+    groups = rows // 16
 
-    @plgpu.inline_mgpu(arg_types=(_acc(nb), plgpu.RefType()))
+    @plgpu.inline_mgpu(arg_types=(_acc(rows, nb), plgpu.RefType()))
     def reduce(_, acc_in, red_smem):
         index = ir.IndexType.get()
         t = mgpu_utils.thread_idx()
@@ -320,14 +345,14 @@ def _warp_sums(acc, red_ref, *, m, interpret):
         g, c = arith.shrui(lane, cst(2)), arith.andi(lane, cst(3))
         regs = acc_in.registers.flat[0]
         for b in range(nb):
-            for r in range(GROUPS):
+            for r in range(groups):
                 for q in range(4):
                     tok = arith.addi(arith.muli(c, cst(2)), cst(8 * b + q % 2))
-                    row = _row_slot(g, 2 * r + q // 2)
-                    memref.store(vector.extract(regs, [], [4 * (b * GROUPS + r) + q]), red_smem,
+                    row = _row_slot(rows, g, 2 * r + q // 2)
+                    memref.store(vector.extract(regs, [], [4 * (b * groups + r) + q]), red_smem,
                                  [ix(warp), ix(tok), ix(row)])
         mgpu_utils.warpgroup_barrier()
-        for pred, tok, row in _owned(t, m):
+        for pred, tok, row in _owned(t, m, rows):
             with mgpu_utils.when(pred):
                 at = lambda w: [cst(w, index), ix(tok), ix(row)]
                 total = memref.load(red_smem, at(0))
@@ -340,18 +365,19 @@ def _warp_sums(acc, red_ref, *, m, interpret):
 
 def _store_partial(red_ref, part_ref, *, m, interpret):
     """This CTA's sums over its K range, red_ref[0], to its cluster's first CTA. GPU: part_ref
-    [8 * blocks, 64] f32 is this CTA's slot of the parts buffer, and the sums go to the same slot
-    of the first CTA's (distributed shared memory). Interpret mode (no clusters): part_ref [M, 64] is a
-    slice of a global output whose members' sums XLA adds."""
+    [8 * blocks, rows] f32 is this CTA's slot of the parts buffer, and the sums go to the same
+    slot of the first CTA's (distributed shared memory). Interpret mode (no clusters): part_ref
+    [M, rows] is a slice of a global output whose members' sums XLA adds."""
     if interpret:
         part_ref[...] = red_ref[0, pl.ds(0, m)]
         return
+    rows = red_ref.shape[-1]
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
     def store(_, red_smem, part_smem):
         index = ir.IndexType.get()
         first = mgpu_utils.get_cluster_ref(part_smem, gpu.Dimension.x, cst(0, index))
-        for pred, tok, row in _owned(mgpu_utils.thread_idx(), m):
+        for pred, tok, row in _owned(mgpu_utils.thread_idx(), m, rows):
             with mgpu_utils.when(pred):
                 memref.store(memref.load(red_smem, [cst(0, index), ix(tok), ix(row)]), first, [ix(tok), ix(row)])
 
@@ -359,11 +385,12 @@ def _store_partial(red_ref, part_ref, *, m, interpret):
 
 
 def _finish(red_ref, parts_ref, s2_ref, y_ref, *, m, splits, factor, interpret):
-    """y_ref [M, 64] (global memory, output dtype) <- (red_ref[0] + the other cluster members'
-    sums parts_ref [splits - 1, 8 * blocks, 64] f32 in shared memory) * w_scale_2 * factor."""
+    """y_ref [M, rows] (global memory, output dtype) <- (red_ref[0] + the other cluster members'
+    sums parts_ref [splits - 1, 8 * blocks, rows] f32 in shared memory) * w_scale_2 * factor."""
     if interpret:
         y_ref[...] = (red_ref[0, pl.ds(0, m)] * (s2_ref[0] * factor)).astype(y_ref.dtype)
         return
+    rows = red_ref.shape[-1]
     refs = (red_ref, s2_ref, y_ref) + ((parts_ref,) if splits > 1 else ())
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs))
@@ -371,7 +398,7 @@ def _finish(red_ref, parts_ref, s2_ref, y_ref, *, m, splits, factor, interpret):
         index = ir.IndexType.get()
         s2 = arith.mulf(memref.load(s2_smem, [cst(0, index)]), mgpu_utils.c(factor, ir.F32Type.get()))
         out_ty = ir.MemRefType(y_gmem.type).element_type
-        for pred, tok, row in _owned(mgpu_utils.thread_idx(), m):
+        for pred, tok, row in _owned(mgpu_utils.thread_idx(), m, rows):
             with mgpu_utils.when(pred):
                 total = memref.load(red_smem, [cst(0, index), ix(tok), ix(row)])
                 for p in range(splits - 1):
@@ -384,32 +411,54 @@ def _finish(red_ref, parts_ref, s2_ref, y_ref, *, m, splits, factor, interpret):
     finish(*refs)
 
 
-def _plan(fmt: Format, n: int, k: int, m: int) -> tuple[int, int]:
-    """(CTAs per SM, K splits). A K split is a cluster of 2, 4 or 8 CTAs sharing an item, each
-    over its own K tiles, at least _MIN_K codes of K. Of the pairs whose CTAs fit an SM's shared
-    memory and keep every cluster in the first wave as the GPU places clusters (so that with
-    splits every cluster takes one item), the one that leaves the fewest K tiles to the busiest
-    SM, ceil(CTAs / SMs) CTAs of K tiles / splits each; of equally loaded ones, the most CTAs an
-    SM (MXFP8 at 16 tokens: 2 splits at 3 CTAs an SM ran 9.3 us at 4096x4096 against 12.0 for 4
-    splits at 2, RESULTS.md part 31), then the fewest splits where decoding bounds the tile
-    (NVFP4: more CTAs an SM add merge work, not throughput), else the most (MXFP8: more CTAs an
-    SM keep more bytes in flight). Sweeps of forced splits on the H200 (RESULTS.md, part 30)
+class Plan(NamedTuple):
+    rows: int       # weight rows per item (`ITEM_ROWS`)
+    per_sm: int     # CTAs an SM
+    splits: int     # CTAs (a cluster) sharing an item, one K range each
+
+
+def _plan(fmt: Format, n: int, k: int, m: int) -> Plan:
+    """The item rows, CTAs per SM and K splits of a call. A K split is a cluster of 2, 4 or 8 CTAs
+    sharing an item, each over its own K tiles, at least _MIN_K codes of K. Of the plans whose
+    CTAs fit an SM's shared memory and keep every cluster in the first wave as the GPU places
+    clusters (so that with splits every cluster takes one item), the one that leaves the fewest
+    K tiles (`TILE_SIZE` bytes of codes each) to the busiest SM: ceil(CTAs / SMs) CTAs of
+    ceil(items / clusters) items of K tiles / splits each (NVFP4, 16 tokens: 384 32-row items on
+    264 CTAs, 16 tiles, ran 16.6 us at 12288x4096 against 15.6 for 192 64-row items, also 16;
+    24576x4096: 24 tiles against 32, 24.3 us against 29.1, part 49); of equally loaded ones, the
+    most CTAs an SM (MXFP8 at 16 tokens: 2 splits at 3 CTAs an SM ran 9.3 us at 4096x4096 against
+    12.0 for 4 splits at 2, RESULTS.md part 31), then the fewest items a CTA (24576x4096 at 1-2
+    tokens: 32-row items two a CTA ran 3-10 % slower than 64-row items one a CTA in NVFP4 and
+    block FP8, part 49), then 32-row items (up to 16 % faster than 64-row ones on 4096-12288
+    rows, part 49: the module docstring), then the fewest splits where decoding bounds the tile (NVFP4:
+    more CTAs an SM add merge work, not throughput), else the most (MXFP8: more CTAs an SM keep
+    more bytes in flight). Sweeps of forced splits on the H200 (64-row items, RESULTS.md part 30)
     found this rule's choice fastest or within 1 % on 11 of the 12 shapes and formats swept at 8
     tokens (MXFP8 2048x4096: 3 % behind 8 splits of 2 tiles); clusters of 3 and 6 placed badly
     (a second wave at 4096x12288, part 28). The placement (`max_active_clusters`) matters where
     clusters of 4 or 8 fill nearly every place: 96 clusters of 4 at 3 CTAs an SM, where the
     H200 holds 92, ran 9.8-12.5 us at 6144x4096 and 2-8 tokens, against 8.9-11.2 for 2 splits,
-    in all three formats (part 32)."""
+    in all three formats (part 32). One CTA an SM, which shared memory never refuses, is the last
+    resort: by this count it can look lighter than two CTAs an SM whose items spread evenly."""
     xr = 8 * _blocks(m)                                     # x rows staged
-    slot = ROWS * TILE_BYTES + math.prod(fmt.scales.slot) * jnp.dtype(fmt.scales.dtype).itemsize + xr * fmt.tile_k * 2
-    items, kt = n // ROWS, k // fmt.tile_k
-    smem = lambda s: _STAGES * slot + 4 * xr * ROWS * 4 + 4 + (s - 1) * xr * ROWS * 4   # ring, sums, parts
-    plans = [(per_sm, s) for per_sm in range(_CTAS_PER_SM, 0, -1) for s in (1, 2, 4, 8)
-             if kt % s == 0 and (s == 1 or (kt // s * fmt.tile_k >= _MIN_K and items * s <= num_sms() * per_sm
-                                            and items <= max_active_clusters(s, per_sm)))
-             and (per_sm == 1 or per_sm * (smem(s) + CTA_SMEM_RESERVE) <= SMEM_PER_SM)]
-    return min(plans, key=lambda p: (-(-items * p[1] // num_sms()) * (kt // p[1]), -p[0],
-                                     p[1] if fmt.issue_bound else -p[1]))
+    plans = {}
+    for rows in ITEM_ROWS:
+        if n % rows or k % fmt.k_multiple(rows):
+            continue
+        tk = fmt.tile_k(rows)
+        slot = TILE_SIZE + math.prod(fmt.scales.slot(rows)) * jnp.dtype(fmt.scales.dtype).itemsize + xr * tk * 2
+        items, kt = n // rows, k // tk
+        smem = lambda s: _STAGES * slot + 4 * xr * rows * 4 + 4 + (s - 1) * xr * rows * 4   # ring, sums, parts
+        for per_sm in range(_CTAS_PER_SM, 0, -1):
+            for s in (1, 2, 4, 8):
+                if (kt % s == 0 and (s == 1 or (kt // s * tk >= _MIN_K and items * s <= num_sms() * per_sm
+                                                and items <= max_active_clusters(s, per_sm)))
+                        and (per_sm == 1 or per_sm * (smem(s) + CTA_SMEM_RESERVE) <= SMEM_PER_SM)):
+                    clusters = min(items, num_sms() * per_sm // s)
+                    per_cta = -(-items // clusters)             # items of the busiest CTA
+                    busiest = -(-clusters * s // num_sms()) * per_cta * (kt // s)     # K tiles of the busiest SM
+                    plans[Plan(rows, per_sm, s)] = (busiest, -per_sm, per_cta, rows != 32, s if fmt.issue_bound else -s)
+    return min(plans, key=lambda p: (p.per_sm == 1, plans[p]))
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "interpret"))
@@ -427,12 +476,13 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
     n = w_bytes.shape[0]
     if not supported(fmt, m, n, k) or w_bytes.shape[1] * fmt.codes_per_byte != k:
         wide = f" (9-16 where {fmt.wide_ctas_per_sm} CTAs fit an SM)" if fmt.wide_ctas_per_sm > 1 else ""
-        raise ValueError(f"{fmt.name} serves 1 <= M <= {MAX_M}{wide}, N % {ROWS} == 0, K % {fmt.k_multiple} == 0 with "
+        raise ValueError(f"{fmt.name} serves 1 <= M <= {MAX_M}{wide}, N % 64 == 0, K % {fmt.k_multiple(64)} == 0 with "
                          f"codes of K / {fmt.codes_per_byte} bytes; got M={m}, N={n}, K={k}, codes {w_bytes.shape}")
-    per_sm, splits = _plan(fmt, n, k, m)
+    rows, per_sm, splits = _plan(fmt, n, k, m)
     nb = _blocks(m)
     xr = 8 * nb                                             # x rows staged
-    items, kts = n // ROWS, k // fmt.tile_k // splits
+    tb, tk = tile_bytes(rows), fmt.tile_k(rows)
+    items, kts = n // rows, k // tk // splits
     clusters = min(items, num_sms() * per_sm // splits)
     s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
     emulated = interpret and splits > 1              # members' sums added by XLA
@@ -448,13 +498,13 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
         def issue(i, slot):
             item, kc = where(i)
             b = bar.at[slot]
-            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(item * ROWS, ROWS), pl.ds(kc * TILE_BYTES, TILE_BYTES)],
+            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(item * rows, rows), pl.ds(kc * tb, tb)],
                                     w_smem.at[slot], b)
-            box = fmt.scales.box(s_ref, item, kc)
+            box = fmt.scales.box(s_ref, item, kc, rows)
             plgpu.copy_gmem_to_smem(box, s_smem.at[slot, pl.ds(0, box.shape[0])], b)
             # on the GPU whole 8-row tiles: TMA fills the rows past M with zeros
             tokens = pl.ds(0, m if interpret else xr)
-            plgpu.copy_gmem_to_smem(x_ref.at[tokens, pl.ds(kc * fmt.tile_k, fmt.tile_k)], x_smem.at[slot, tokens], b)
+            plgpu.copy_gmem_to_smem(x_ref.at[tokens, pl.ds(kc * tk, tk)], x_smem.at[slot, tokens], b)
 
         for p in range(_STAGES):
             @pl.when(p < tiles)
@@ -467,8 +517,8 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
             item, kc = where(i)
             plgpu.barrier_wait(bar.at[slot])
             w_tile, x_tile = (w_smem, x_smem) if interpret else (w_raw, x_raw)
-            acc = _tile_update(fmt, acc, w_tile.at[slot], fmt.scales.view(s_smem.at[slot], kc), x_tile.at[slot], m=m,
-                               interpret=interpret)
+            acc = _tile_update(fmt, acc, w_tile.at[slot], fmt.scales.view(s_smem.at[slot], kc, rows), x_tile.at[slot],
+                               m=m, rows=rows, interpret=interpret)
             plgpu.commit_smem()                               # every thread is done with the slot
 
             @pl.when(i + _STAGES < tiles)
@@ -476,13 +526,13 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
                 issue(i + _STAGES, slot)
 
             last = lax.rem(i, kts) == kts - 1
-            rows = pl.ds(item * ROWS, ROWS)
+            out_rows = pl.ds(item * rows, rows)
 
             @pl.when(last)
             def _():
                 _warp_sums(acc, red_smem, m=m, interpret=interpret)
                 if emulated:
-                    _store_partial(red_smem, part_ref.at[member, :, rows], m=m, interpret=True)
+                    _store_partial(red_smem, part_ref.at[member, :, out_rows], m=m, interpret=True)
                     return
                 parts = None
                 if splits > 1:       # one item a cluster (`_plan`): the parts buffer is written once
@@ -497,15 +547,15 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
                 def _():
                     if splits > 1:
                         gpu_fence()
-                    _finish(red_smem, parts, s2_smem, y_ref.at[:, rows], m=m, splits=splits, factor=fmt.factor,
+                    _finish(red_smem, parts, s2_smem, y_ref.at[:, out_rows], m=m, splits=splits, factor=fmt.factor,
                             interpret=interpret)
 
             return jnp.where(jnp.broadcast_to(last, acc.shape), jnp.zeros_like(acc), acc)
 
         if interpret:
-            zero = jnp.zeros((ROWS, m), jnp.float32)
+            zero = jnp.zeros((rows, m), jnp.float32)
         else:
-            zero = plgpu.layout_cast(jnp.zeros((128, 4 * GROUPS * nb), jnp.float32), _acc(nb))
+            zero = plgpu.layout_cast(jnp.zeros((128, rows // 4 * nb), jnp.float32), _acc(rows, nb))
         lax.fori_loop(0, tiles, step, zero)
 
     kernel.__name__ = fmt.name
@@ -517,12 +567,12 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
     call = plgpu.kernel(
         kernel, out_type=(jax.ShapeDtypeStruct((m, n), out_dtype),
                           *([jax.ShapeDtypeStruct((splits, m, n), jnp.float32)] if emulated else [])),
-        scratch_types=[_tiles((_STAGES, xr, fmt.tile_k), jnp.bfloat16), _tiles((_STAGES, ROWS, TILE_BYTES), jnp.uint8),
-                       plgpu.SMEM((_STAGES, *fmt.scales.slot), fmt.scales.dtype),
-                       plgpu.SMEM((4, xr, ROWS), jnp.float32),
+        scratch_types=[_tiles((_STAGES, xr, tk), jnp.bfloat16), _tiles((_STAGES, rows, tb), jnp.uint8),
+                       plgpu.SMEM((_STAGES, *fmt.scales.slot(rows)), fmt.scales.dtype),
+                       plgpu.SMEM((4, xr, rows), jnp.float32),
                        plgpu.SMEM((1,), jnp.float32),
                        plgpu.Barrier(num_arrivals=3, num_barriers=_STAGES),
-                       *([plgpu.SMEM((splits - 1, xr, ROWS), jnp.float32),
+                       *([plgpu.SMEM((splits - 1, xr, rows), jnp.float32),
                           plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1, num_barriers=1)] if merged
                          else [])],
         **layout,

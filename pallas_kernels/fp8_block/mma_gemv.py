@@ -1,15 +1,15 @@
 """Block FP8 (W8A16) on the mma GEMV for 1-16 activation rows (`pallas_kernels/mma_gemv.py`) of
-weights with at least `MIN_N` rows (9-16 rows only where the plan fits 3 CTAs an SM): one e4m3
-code a byte, one fp32 scale per 128x128 block.
+weights with at least `MIN_N` rows (9-16 rows from `WIDE_MIN_N`, where the plan fits 3 CTAs an
+SM): one e4m3 code a byte, one fp32 scale per 128x128 block.
 
 * operands: a word's 4 codes become fp32 (`row_gemv.decode_e4m3_word`, exact), each is
   multiplied by its block's fp32 scale and rounded to bf16 (`cvt.rn.bf16x2.f32`), operand i =
   codes (i, i + 2): the format's W8A16 weights ``bf16(f32(w_q) * scale)`` (`reference.py`) bit
   for bit, so the kernel agrees with the jnp twin up to the summation order;
-* scales: an item's 64 rows lie in one 128-row block and a lane's 16 codes in one 128-column
-  block, so a lane reads one fp32 a tile. A ring slot takes 4 of the item's block-row scales
-  (16 bytes, TMA's least box: two tiles' worth) and a tile reads its 2 of them, so K must be a
-  multiple of 512;
+* scales: an item's 32 or 64 rows lie in one 128-row block and a lane's 16-code runs each in
+  one 128-column block, so a lane reads one fp32 per run. A ring slot takes 4 of the item's
+  block-row scales (16 bytes, TMA's least box: one 32-row tile's worth, two 64-row tiles') and a
+  tile reads its 4 or 2 of them, so K must be a multiple of 512;
 * the outputs are multiplied by 1.
 """
 
@@ -26,7 +26,6 @@ from pallas_kernels.common import bf16x2_word, cst, ix
 
 BLOCK = 128
 _BOX = 4                     # block scales a TMA copy brings: 16 bytes
-_TILE_BLOCKS = mma_gemv.TILE_BYTES // BLOCK
 
 
 def _operands(word, scale):
@@ -35,17 +34,30 @@ def _operands(word, scale):
     return [bf16x2_word(v[i], v[i + 2]) for i in range(2)]
 
 
-def _read(view, kb, swap):
-    """The tile's scale of K block kb, the same for the lane's 8 rows (in any order)."""
-    return [memref.load(view, [cst(0, ir.IndexType.get()), ix(kb)])] * 8
+def _read(view, kb, g, rows):
+    """The tile's scale of K block kb, the same for all the lane's rows / 8 rows."""
+    return [memref.load(view, [cst(0, ir.IndexType.get()), ix(kb)])] * (rows // 8)
 
 
-SCALES = mma_gemv.Scales(
-    dtype=jnp.float32, slot=(8, _BOX),                     # 128 bytes, TMA's slot alignment
-    box=lambda s_ref, item, kc: s_ref.at[pl.ds(item * mma_gemv.ROWS // BLOCK, 1),
-                                         pl.ds(kc // (_BOX // _TILE_BLOCKS) * _BOX, _BOX)],
-    view=lambda slot, kc: slot.at[pl.ds(0, 1), pl.ds(lax.rem(kc, _BOX // _TILE_BLOCKS) * _TILE_BLOCKS, _TILE_BLOCKS)],
-    read=_read)
+def _tile_blocks(rows):
+    """128-column blocks a tile spans: 2 for 64-row items, 4 for 32-row ones."""
+    return mma_gemv.tile_bytes(rows) // BLOCK
+
+
+def _box(s_ref, item, kc, rows):
+    """The item's block-row scales of the _BOX blocks that hold K tile kc."""
+    per_box = _BOX // _tile_blocks(rows)                   # tiles a box serves
+    return s_ref.at[pl.ds(item * rows // BLOCK, 1), pl.ds(kc // per_box * _BOX, _BOX)]
+
+
+def _view(slot, kc, rows):
+    """K tile kc's scales in the slot that holds its box."""
+    tb = _tile_blocks(rows)
+    return slot.at[pl.ds(0, 1), pl.ds(lax.rem(kc, _BOX // tb) * tb, tb)]
+
+
+SCALES = mma_gemv.Scales(dtype=jnp.float32, slot=lambda rows: (8, _BOX),   # 128 bytes, TMA's slot alignment
+                         box=_box, view=_view, read=_read)
 
 
 def _values(codes, scales):
@@ -59,14 +71,17 @@ FORMAT = mma_gemv.Format(name="fp8_block_mma_gemv", codes_per_byte=1, block=BLOC
                          k_step=BLOCK * _BOX)
 
 
-# Weight rows from which 2-16 activation rows take this GEMV: on the H200 it ran 1.07-1.38x the
-# wgmma engine at 2-8 rows and 1.0-1.28x at 16 from 7168 rows (7168x2048, 10240, 12288 and
-# 24576 x 4096), 0.87-0.99x on 2048-6144 rows (RESULTS.md, part 31).
-MIN_N = 7168
+# Weight rows from which 2-8 (MIN_N) and 9-16 (WIDE_MIN_N) activation rows take this GEMV rather
+# than the wgmma engine. On the H200, at 2-8 rows it ran 1.07-1.38x the engine from 7168 rows
+# (7168x2048, 10240, 12288 and 24576 x 4096, RESULTS.md part 31) and, with 32-row items,
+# 1.10-1.17x on 4096x4096, 6144x4096 and 4096x12288 (part 49); at 16 rows 1.0-1.28x from 7168
+# rows, 1.06-1.09x on 4096x4096 and 6144x4096 but 0.90x on 4096x12288 (part 49).
+MIN_N = 4096
+WIDE_MIN_N = 7168
 
 
 def supported(m: int, n: int, k: int) -> bool:
-    return n >= MIN_N and mma_gemv.supported(FORMAT, m, n, k)
+    return n >= (MIN_N if m <= 8 else WIDE_MIN_N) and mma_gemv.supported(FORMAT, m, n, k)
 
 
 def gemv(x, w_q, w_scale_inv, *, out_dtype, interpret=False):

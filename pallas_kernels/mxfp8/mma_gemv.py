@@ -38,11 +38,11 @@ def _operands(word, scale):
 
 
 def _scale_pairs(sv):
-    """8 E8M0 scales -> bf16x2 (2^(s - 7), the same)."""
+    """R E8M0 scales -> bf16x2 (2^(s - 7), the same)."""
     i32 = ir.IntegerType.get_signless(32)
     cst = lambda v: mgpu_utils.c(v, i32)
     return [arith.addi(arith.muli(arith.extui(i32, vector.extract(sv, [], [r])), cst(0x00800080)), cst(0x3C003C00))
-            for r in range(8)]
+            for r in range(ir.VectorType(sv.type).shape[0])]
 
 
 def _values(codes, scales):
@@ -53,7 +53,7 @@ def _values(codes, scales):
 
 
 FORMAT = mma_gemv.Format(name="mxfp8_mma_gemv", codes_per_byte=1, block=BLOCK, pair=2, factor=1.0,
-                         operands=_operands, scales=mma_gemv.row_scales(mma_gemv.TILE_BYTES // BLOCK, _scale_pairs),
+                         operands=_operands, scales=mma_gemv.row_scales(BLOCK, _scale_pairs),
                          values=_values, wide_ctas_per_sm=3)
 
 

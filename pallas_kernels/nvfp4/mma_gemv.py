@@ -15,7 +15,7 @@ from .reference import BLOCK
 
 FORMAT = mma_gemv.Format(name="nvfp4_mma_gemv", codes_per_byte=2, block=BLOCK, pair=4, factor=operands.FACTOR,
                          operands=operands.word_operands,
-                         scales=mma_gemv.row_scales(2 * mma_gemv.TILE_BYTES // BLOCK, operands.scale_pairs),
+                         scales=mma_gemv.row_scales(BLOCK // 2, operands.scale_pairs),
                          values=operands.values, issue_bound=True)
 
 

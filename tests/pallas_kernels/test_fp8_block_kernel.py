@@ -93,18 +93,20 @@ def test_one_row_runs_the_gemv(n, k, sms, gemv_spy):
     assert not gemv.supported(1, n, 512)                  # a scale box wider than the scale rows
 
 
-@pytest.mark.parametrize("m,n,k,sms,splits", [
-    (2, 64, 2048, None, 2),     # one item: its 8 K tiles split over a cluster of 2
-    (5, 320, 1536, 1, 1),       # 5 items (the last half a 128-row block) share one SM's CTAs, 6 tiles each
-    (12, 128, 2048, None, 2),   # two 8-token column blocks, the second partly filled
-    (16, 320, 1024, 1, 1),      # five items unevenly over 3 CTAs, 4 tiles each refill the ring
+@pytest.mark.parametrize("m,n,k,sms,plan", [
+    (2, 64, 2048, None, (32, 3, 2)),    # two 32-row items of 4 tiles in one 128-row block, each over a cluster of 2
+    (5, 448, 1536, 2, (64, 2, 1)),      # 7 64-row items (the last half a 128-row block) over 4 CTAs, 6 tiles each
+    (8, 448, 2048, 1, (32, 2, 1)),      # 14 32-row items, 7 a CTA: their 4 tiles each refill the ring across items
+    (12, 128, 1536, None, (32, 3, 1)),  # two 8-token column blocks, the second partly filled
+    (16, 320, 1536, 2, (64, 3, 1)),     # two full column blocks on ring refills
 ])
-def test_mma_gemv_matches_oracle(m, n, k, sms, splits, gemv_spy):
+def test_mma_gemv_matches_oracle(m, n, k, sms, plan, gemv_spy):
     """The tensor-core GEMV's weights are bf16(f32(w_q) * scale) as the twin's (fp32 and bf16
-    out): each tile reads its 2 of a slot's 4 block scales, K splits add their sums, the ring
-    refills; the blocks' scales span 2^-6 .. 2^6."""
-    calls = gemv_spy(mma_gemv, sms, items=n // 64, tiles=k // 256, kernel=mma_kernel)
-    assert mma_kernel._plan(mma_gemv.FORMAT, n, k, m)[1] == splits
+    out): each tile reads its 4 (32-row items) or 2 (64-row) of a slot's 4 block scales, K splits
+    add their sums, the ring refills; the blocks' scales span 2^-6 .. 2^6."""
+    rows = plan[0]
+    calls = gemv_spy(mma_gemv, sms, items=n // rows, tiles=k // mma_gemv.FORMAT.tile_k(rows), kernel=mma_kernel)
+    assert mma_kernel._plan(mma_gemv.FORMAT, n, k, m) == plan
     x, wq, ws = make(m, n, k, seed=n + m)
     x = x.astype(jnp.bfloat16)
     y = mma_gemv.gemv(x, wq, ws, out_dtype=jnp.float32, interpret=True)
@@ -115,13 +117,15 @@ def test_mma_gemv_matches_oracle(m, n, k, sms, splits, gemv_spy):
 
 
 def test_few_rows_on_many_weight_rows_run_the_mma_gemv(monkeypatch, gemv_spy):
-    """2-16 W8A16 rows go to the mma GEMV from MIN_N weight rows (here lowered to 64), W8A8 keeps
-    its kernel; K a multiple of 512 (a TMA box of 4 block scales), N of 64; 9-16 rows where the
-    plan fits 3 CTAs an SM."""
-    assert mma_gemv.supported(2, 7168, 2048) and mma_gemv.supported(16, 24576, 4096)
-    assert not mma_gemv.supported(8, 6144, 4096) and not mma_gemv.supported(16, 12288, 4096 + 256)
+    """2-8 W8A16 rows go to the mma GEMV from MIN_N weight rows, 9-16 from WIDE_MIN_N where the
+    plan fits 3 CTAs an SM (both here lowered to 64), W8A8 keeps its kernel; K a multiple of 512
+    (a TMA box of 4 block scales), N of 64."""
+    assert mma_gemv.supported(2, 4096, 2048) and mma_gemv.supported(8, 6144, 4096)
+    assert not mma_gemv.supported(8, 2048, 4096) and not mma_gemv.supported(16, 6144, 4096)
+    assert mma_gemv.supported(16, 7168, 4096) and not mma_gemv.supported(16, 12288, 4096 + 256)
     assert mma_gemv.supported(1, 12288, 4096) and not mma_gemv.supported(17, 12288, 4096)
     monkeypatch.setattr(mma_gemv, "MIN_N", 64)
+    monkeypatch.setattr(mma_gemv, "WIDE_MIN_N", 64)
     assert not mma_gemv.supported(16, 2048, 4096) and mma_gemv.supported(8, 2048, 4096)
     calls = gemv_spy(mma_gemv)
     x, wq, ws = make(4, 128, 1024, seed=4)
@@ -187,9 +191,9 @@ def test_lowers_for_hopper(m, act_quant):
                                    (1100, 2560, 640), (2, 12288, 4096), (8, 7168, 2048), (9, 24576, 4096),
                                    (16, 10240, 4096), (5, 4096, 4096), (12, 4096, 12288)])
 def test_compiled_kernel_matches_oracle(m, n, k, act_quant):
-    """W8A16: one row on the GEMV (on 12288 rows the mma GEMV); 2-16 rows of 7168 weight rows and
-    more on the mma GEMV (K
-    splits, two column blocks), of 4096 on the engine; the prefill forms. W8A8: its kernels."""
+    """W8A16: one row on the GEMV (on 12288 rows the mma GEMV); on the mma GEMV 2-8 rows from 4096
+    weight rows and 9-16 from 7168 (32- and 64-row items, K splits, two column blocks), 12 rows of
+    4096 on the engine; the prefill forms. W8A8: its kernels."""
     x, wq, ws = make(m, n, k, seed=5)
     y = matmul(x, wq, ws, act_quant=act_quant, backend="pallas", out_dtype=jnp.float32)
     oracle = oracle_w8a8 if act_quant else oracle_w8a16

@@ -83,20 +83,24 @@ def test_one_row_past_the_gemvs_k_runs_the_mma_gemv(gemv_spy):
     assert (len(rows), len(few)) == (0, 1) and orc.rel_err(y, oracle(x, wq, ws)) < 1e-5
 
 
-@pytest.mark.parametrize("m,n,k,sms,splits", [
-    (2, 64, 2048, None, 2),     # one item: its 8 K tiles split over a cluster of 2, 4 each
-    (6, 128, 8192, None, 8),    # 2 items, 32 tiles: clusters of 8, 4 tiles each
-    (3, 64, 1536, None, 1),     # 6 tiles: 3 a CTA would be too few to split
-    (3, 256, 3072, 4, 2),       # 4 items of 12 tiles, 4 SMs: 1 or 2 splits load an SM alike, the more win
-    (8, 320, 1024, 1, 1),       # 3 CTAs share five items (unevenly), 4 tiles each refill the ring
-    (12, 64, 2048, None, 2),    # two 8-token column blocks, the second partly filled
-    (16, 320, 1024, 1, 1),      # two full column blocks on ring refills
+@pytest.mark.parametrize("m,n,k,sms,plan", [
+    (2, 64, 2048, None, (32, 3, 2)),    # two 32-row items of 4 K tiles, each over a cluster of 2
+    (6, 128, 8192, None, (32, 3, 8)),   # 4 items of 16 tiles: clusters of 8, 2 tiles each
+    (3, 64, 1536, None, (32, 3, 1)),    # 3 tiles: no even split
+    (3, 128, 3072, 4, (32, 3, 2)),      # 4 items of 6 tiles, 4 SMs: 1 or 2 splits load an SM alike, the more win
+    (8, 448, 3072, 1, (32, 2, 1)),      # 14 items, 7 a CTA: their 6 tiles each refill the ring across items
+    (8, 448, 1536, 2, (64, 2, 1)),      # 7 64-row items over 4 CTAs (unevenly)
+    (12, 64, 1536, None, (32, 3, 1)),   # two 8-token column blocks, the second partly filled
+    (16, 320, 3072, 2, (64, 3, 1)),     # two full column blocks on ring refills
+    (4, 128, 768, None, (64, 3, 1)),    # K not a multiple of a 32-row tile's 512 codes: 64-row items
 ])
-def test_few_rows_run_the_mma_gemv(m, n, k, sms, splits, gemv_spy):
-    """2-16 activation rows go to the tensor-core GEMV (fp32 and bf16 out); K splits (added by XLA
-    in the interpreter, by the kernel on the GPU) and ring refills; 32-blocks span 2^-8 .. 2^8."""
-    calls = gemv_spy(mma_gemv, sms, items=n // 64, tiles=k // 256, kernel=mma_kernel)
-    assert mma_kernel._plan(mma_gemv.FORMAT, n, k, m)[1] == splits
+def test_few_rows_run_the_mma_gemv(m, n, k, sms, plan, gemv_spy):
+    """2-16 activation rows go to the tensor-core GEMV (fp32 and bf16 out); both item shapes, K
+    splits (added by XLA in the interpreter, by the kernel on the GPU) and ring refills; 32-blocks
+    span 2^-8 .. 2^8."""
+    rows = plan[0]
+    calls = gemv_spy(mma_gemv, sms, items=n // rows, tiles=k // mma_gemv.FORMAT.tile_k(rows), kernel=mma_kernel)
+    assert mma_kernel._plan(mma_gemv.FORMAT, n, k, m) == plan
     x, wq, ws = make(m, n, k, seed=n + m)
     y = matmul_kernel(x, wq, ws, out_dtype=jnp.float32, interpret=True)
     assert calls and y.shape == (m, n)
@@ -109,14 +113,14 @@ def test_few_rows_run_the_mma_gemv(m, n, k, sms, splits, gemv_spy):
 
 
 def test_nine_to_sixteen_rows_need_three_ctas_an_sm():
-    """At 9-16 rows the plan prefers 3 CTAs an SM to an equal load at 2 (4096x4096: 2 splits, not
-    the 4 of 8 rows); where only 2 fit (2048x4096: 4 splits) MXFP8 keeps the engine, NVFP4 not."""
+    """At 9-16 rows the plan prefers 3 CTAs an SM to an equal load at 2 (4096x4096: 1 split, not
+    the 2 of 8 rows); where only 2 fit (2048x4096: 4 splits) MXFP8 keeps the engine, NVFP4 not."""
     from pallas_kernels.nvfp4 import mma_gemv as nvfp4_mma
 
-    assert mma_kernel._plan(mma_gemv.FORMAT, 4096, 4096, 8) == (3, 4)
-    assert mma_kernel._plan(mma_gemv.FORMAT, 4096, 4096, 16) == (3, 2)
+    assert mma_kernel._plan(mma_gemv.FORMAT, 4096, 4096, 8) == (32, 3, 2)
+    assert mma_kernel._plan(mma_gemv.FORMAT, 4096, 4096, 16) == (32, 3, 1)
     assert mma_gemv.supported(16, 4096, 4096) and mma_gemv.supported(9, 24576, 4096)
-    assert mma_kernel._plan(mma_gemv.FORMAT, 2048, 4096, 16) == (2, 4)
+    assert mma_kernel._plan(mma_gemv.FORMAT, 2048, 4096, 16) == (32, 2, 4)
     assert not mma_gemv.supported(16, 2048, 4096) and mma_gemv.supported(8, 2048, 4096)
     assert nvfp4_mma.supported(16, 2048, 4096)
     x, wq, ws = make(16, 2048, 4096, seed=5)
@@ -126,18 +130,34 @@ def test_nine_to_sixteen_rows_need_three_ctas_an_sm():
 
 def test_plan_keeps_clusters_the_gpu_can_place(monkeypatch):
     """Clusters of 4 that need more places than the GPU's clusters offer take 2 splits instead
-    (the H200's counts: 92 clusters of 4 at 3 CTAs an SM; 6144x4096 has 96 items); where they fit
-    (4096x4096: 64) the plan keeps them. NVFP4's equal-load tie goes to one split."""
+    (the H200's counts: 92 clusters of 4 at 3 CTAs an SM; 3072x4096 has 96 32-row items); where
+    they fit (2048x4096: 64) the plan keeps them. NVFP4's equal-load tie goes to one split."""
     from pallas_kernels.nvfp4 import mma_gemv as nvfp4_mma
 
     h200 = {(4, 3): 92, (8, 3): 45, (4, 2): 62, (8, 2): 30, (4, 1): 30, (8, 1): 15}
     monkeypatch.setattr(mma_kernel, "num_sms", lambda: 132)
     monkeypatch.setattr(mma_kernel, "max_active_clusters", lambda s, per_sm: h200.get((s, per_sm), 132 * per_sm // s))
-    assert mma_kernel._plan(mma_gemv.FORMAT, 6144, 4096, 8) == (3, 2)
-    assert mma_kernel._plan(nvfp4_mma.FORMAT, 6144, 4096, 2) == (3, 1)
-    assert mma_kernel._plan(mma_gemv.FORMAT, 4096, 4096, 8) == (3, 4)
+    assert mma_kernel._plan(mma_gemv.FORMAT, 3072, 4096, 8) == (32, 3, 2)
+    assert mma_kernel._plan(mma_gemv.FORMAT, 2048, 4096, 8) == (32, 3, 4)
+    assert mma_kernel._plan(mma_gemv.FORMAT, 4096, 4096, 8) == (32, 3, 2)
+    assert mma_kernel._plan(nvfp4_mma.FORMAT, 4096, 4096, 8) == (32, 3, 1)
     monkeypatch.setattr(mma_kernel, "max_active_clusters", lambda s, per_sm: 132 * per_sm // s)
-    assert mma_kernel._plan(mma_gemv.FORMAT, 6144, 4096, 8) == (3, 4)
+    assert mma_kernel._plan(mma_gemv.FORMAT, 3072, 4096, 8) == (32, 3, 4)
+
+
+def test_plan_picks_the_item_rows(monkeypatch):
+    """32-row items where they load the busiest SM no more than 64-row ones and leave no more
+    items to a CTA; 64-row items where the 32-row ones pile up (H200 counts, RESULTS.md part
+    49)."""
+    from pallas_kernels.fp8_block import mma_gemv as fp8_mma
+    from pallas_kernels.nvfp4 import mma_gemv as nvfp4_mma
+
+    monkeypatch.setattr(mma_kernel, "num_sms", lambda: 132)
+    for fmt in (mma_gemv.FORMAT, fp8_mma.FORMAT, nvfp4_mma.FORMAT):
+        assert mma_kernel._plan(fmt, 12288, 4096, 8) == (32, 3, 1)        # 384 items, one a CTA
+        assert mma_kernel._plan(fmt, 24576, 4096, 2) == (64, 3, 1)        # 768 32-row items would be 2 a CTA
+    assert mma_kernel._plan(nvfp4_mma.FORMAT, 12288, 4096, 16) == (64, 2, 1)   # 2 CTAs an SM: 16 tiles either way
+    assert mma_kernel._plan(nvfp4_mma.FORMAT, 24576, 4096, 16) == (32, 2, 1)   # 24 tiles against 32
 
 
 def test_cluster_places_without_a_gpu():

@@ -93,20 +93,24 @@ def test_gemv_serves_one_row_of_whole_boxes():
         gemv.gemv(x, *w, out_dtype=jnp.float32, interpret=True)
 
 
-@pytest.mark.parametrize("m,n,k,sms,splits", [
-    (2, 64, 4096, None, 4),     # one item: its 8 K tiles split over a cluster of 4, 2 each
-    (5, 128, 16384, None, 8),   # 2 items, 32 tiles: clusters of 8, 4 tiles each
-    (4, 64, 1024, None, 1),     # 2 tiles: 1 a CTA would be too little K to split
-    (3, 256, 6144, 4, 1),       # 4 items of 12 tiles, 4 SMs: 1 or 2 splits load an SM alike, the fewer win
-    (8, 320, 2048, 1, 1),       # 3 CTAs share five items (unevenly), 4 tiles each refill the ring
-    (16, 64, 4096, None, 4),    # two 8-token column blocks
-    (11, 320, 2048, 1, 1),      # the second block partly filled, on ring refills
+@pytest.mark.parametrize("m,n,k,sms,plan", [
+    (2, 64, 4096, None, (32, 2, 4)),    # two 32-row items of 4 K tiles, each over a cluster of 4
+    (5, 128, 16384, None, (32, 2, 8)),  # 4 items of 16 tiles: clusters of 8, 2 tiles each
+    (4, 64, 1024, None, (32, 3, 1)),    # one tile an item: too little K to split
+    (3, 128, 6144, 4, (32, 3, 1)),      # 4 items of 6 tiles, 4 SMs: 1 or 2 splits load an SM alike, the fewer win
+    (8, 448, 4096, 1, (32, 2, 1)),      # 14 items, 7 a CTA: their 4 tiles each refill the ring across items
+    (8, 448, 4096, 2, (64, 2, 1)),      # 7 64-row items over 4 CTAs (unevenly): 14 32-row ones load alike, 2 a CTA more
+    (16, 64, 4096, None, (32, 2, 2)),   # two 8-token column blocks
+    (11, 448, 4096, 2, (64, 2, 1)),     # the second block partly filled, on ring refills
+    (4, 128, 1536, None, (64, 3, 1)),   # K not a multiple of a 32-row tile's 1024 codes: 64-row items
 ])
-def test_few_rows_run_the_mma_gemv(m, n, k, sms, splits, gemv_spy):
-    """2-16 activation rows go to the tensor-core GEMV; K splits (the interpreter adds the members'
-    sums in XLA, the GPU in the kernel) and the ring's refills give the oracle's result."""
-    calls = gemv_spy(mma_gemv, sms, items=n // 64, tiles=k // 512, kernel=mma_kernel)
-    assert mma_kernel._plan(mma_gemv.FORMAT, n, k, m)[1] == splits
+def test_few_rows_run_the_mma_gemv(m, n, k, sms, plan, gemv_spy):
+    """2-16 activation rows go to the tensor-core GEMV; both item shapes, K splits (the
+    interpreter adds the members' sums in XLA, the GPU in the kernel) and the ring's refills give
+    the oracle's result."""
+    rows = plan[0]
+    calls = gemv_spy(mma_gemv, sms, items=n // rows, tiles=k // mma_gemv.FORMAT.tile_k(rows), kernel=mma_kernel)
+    assert mma_kernel._plan(mma_gemv.FORMAT, n, k, m) == plan
     x, *w = make(m, n, k, seed=n + m)
     y = matmul_kernel(x, *w, out_dtype=jnp.float32, interpret=True)
     assert calls and y.shape == (m, n)
