@@ -257,7 +257,8 @@ def _tile_update(fmt, acc, w_ref, s_ref, x_ref, *, m, rows, interpret):
         accs = [vector.extract(regs, [], [j]) for j in range(4 * groups * nb)]   # (block, group, q)
         o = arith.shli(arith.andi(g, cst(1)), cst(2))
         # units before the lane's rows: row // 8 = g // (8 / R) (`_row_slot`) times a row of (8, 128 bytes) tiles
-        row_tiles = arith.muli(arith.shrui(g, cst(4 - (rows // 8).bit_length())), cst(tile_bytes(rows) // 2))
+        lanes_per_tile_row = 8 // (rows // 8)                # lane groups whose rows share an 8-row band: 1 or 2
+        row_tiles = arith.muli(arith.shrui(g, cst(lanes_per_tile_row.bit_length() - 1)), cst(tile_bytes(rows) // 2))
         for u in range(units):
             # the lane's u-th 16 bytes of each of its rows: bytes 64 h + 16c, h = units * warp + u
             h = arith.addi(arith.muli(warp, cst(units)), cst(u))
@@ -430,9 +431,9 @@ def _plan(fmt: Format, n: int, k: int, m: int) -> Plan:
     12.0 for 4 splits at 2, RESULTS.md part 31), then the fewest items a CTA (24576x4096 at 1-2
     tokens: 32-row items two a CTA ran 3-10 % slower than 64-row items one a CTA in NVFP4 and
     block FP8, part 49), then 32-row items (up to 16 % faster than 64-row ones on 4096-12288
-    rows, part 49: the module docstring), then the fewest splits where decoding bounds the tile (NVFP4:
-    more CTAs an SM add merge work, not throughput), else the most (MXFP8: more CTAs an SM keep
-    more bytes in flight). Sweeps of forced splits on the H200 (64-row items, RESULTS.md part 30)
+    rows, part 49: the module docstring), then the fewest splits where decoding bounds the tile
+    (NVFP4: more CTAs an SM add merge work, not throughput), else the most (MXFP8: more CTAs an SM
+    keep more bytes in flight). Sweeps of forced splits on the H200 (64-row items, RESULTS.md part 30)
     found this rule's choice fastest or within 1 % on 11 of the 12 shapes and formats swept at 8
     tokens (MXFP8 2048x4096: 3 % behind 8 splits of 2 tiles); clusters of 3 and 6 placed badly
     (a second wave at 4096x12288, part 28). The placement (`max_active_clusters`) matters where
