@@ -87,9 +87,11 @@ from pallas_kernels.common import (CTA_SMEM_RESERVE, SMEM_PER_SM, cst, gpu_fence
 
 TILE_SIZE = 16384            # bytes of codes per K tile: an item's rows x `tile_bytes`
 ITEM_ROWS = (32, 64)         # weight rows per item, the plan's choice (`_plan`)
-_STAGES = 2                  # ring slots per CTA (3 ran 15-25 % slower on the H200)
+_STAGES = 2                  # ring slots per CTA where CTAs share an SM (3 ran 15-25 % slower on the H200)
+_STAGES_ALONE = 4            # ring slots of a CTA alone on its SM (`_plan`)
+_SPLIT_MIN_TILES = 6         # K tiles a CTA of a split streams, for the split to beat one CTA alone (`_plan`)
 _CTAS_PER_SM = 3             # at most; fewer where shared memory runs out
-MAX_M = 16                   # tokens: two n8 column blocks (`Format.wide_ctas_per_sm` may refuse 9-16)
+MAX_M = 16                   # tokens: two n8 column blocks (`Format.wide_max_splits` may refuse 9-16)
 _MIN_K = 1024                # codes along K a CTA of a split streams at least (`_plan`)
 
 _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
@@ -165,8 +167,8 @@ class Format(NamedTuple):
                         # f32 operand values times their scales, as the GPU multiplies them
     issue_bound: bool = False   # decoding, not memory, bounds a tile: of equally loaded plans
                                 # the one with the fewest K splits (`_plan`)
-    wide_ctas_per_sm: int = 1   # 9-16 tokens (a second column block) only where the plan fits
-                                # this many CTAs an SM
+    wide_max_splits: int = 8    # 9-16 tokens (a second column block) only where the plan's clusters
+                                # have at most this many CTAs
     k_step: int = 1             # K must also be a multiple of this
 
     def tile_k(self, rows: int) -> int:
@@ -178,11 +180,11 @@ class Format(NamedTuple):
 
 
 def supported(fmt: Format, m: int, n: int, k: int) -> bool:
-    """1 <= M <= 16 activation rows (9-16 where `_plan` fits `fmt.wide_ctas_per_sm` CTAs an SM),
+    """1 <= M <= 16 activation rows (9-16 where `_plan` splits K at most `fmt.wide_max_splits` ways),
     N a multiple of 64, K a multiple of a 64-row item's tile K and of `fmt.k_step` (32-row items
     where N and K allow them too, `_plan`)."""
     return (1 <= m <= MAX_M and n % 64 == 0 and k % fmt.k_multiple(64) == 0
-            and (m <= 8 or _plan(fmt, n, k, m).per_sm >= fmt.wide_ctas_per_sm))
+            and (m <= 8 or _plan(fmt, n, k, m).splits <= fmt.wide_max_splits))
 
 
 def takes_one_row(n: int) -> bool:
@@ -416,6 +418,7 @@ class Plan(NamedTuple):
     rows: int       # weight rows per item (`ITEM_ROWS`)
     per_sm: int     # CTAs an SM
     splits: int     # CTAs (a cluster) sharing an item, one K range each
+    stages: int     # ring slots per CTA
 
 
 def _plan(fmt: Format, n: int, k: int, m: int) -> Plan:
@@ -449,17 +452,26 @@ def _plan(fmt: Format, n: int, k: int, m: int) -> Plan:
         tk = fmt.tile_k(rows)
         slot = TILE_SIZE + math.prod(fmt.scales.slot(rows)) * jnp.dtype(fmt.scales.dtype).itemsize + xr * tk * 2
         items, kt = n // rows, k // tk
-        smem = lambda s: _STAGES * slot + 4 * xr * rows * 4 + 4 + (s - 1) * xr * rows * 4   # ring, sums, parts
+        smem = lambda s, stages: stages * slot + 4 * xr * rows * 4 + 4 + (s - 1) * xr * rows * 4   # ring, sums, parts
         for per_sm in range(_CTAS_PER_SM, 0, -1):
             for s in (1, 2, 4, 8):
                 if (kt % s == 0 and (s == 1 or (kt // s * tk >= _MIN_K and items * s <= num_sms() * per_sm
                                                 and items <= max_active_clusters(s, per_sm)))
-                        and (per_sm == 1 or per_sm * (smem(s) + CTA_SMEM_RESERVE) <= SMEM_PER_SM)):
+                        and (per_sm == 1 or per_sm * (smem(s, _STAGES) + CTA_SMEM_RESERVE) <= SMEM_PER_SM)):
                     clusters = min(items, num_sms() * per_sm // s)
                     per_cta = -(-items // clusters)             # items of the busiest CTA
-                    busiest = -(-clusters * s // num_sms()) * per_cta * (kt // s)     # K tiles of the busiest SM
-                    plans[Plan(rows, per_sm, s)] = (busiest, -per_sm, per_cta, rows != 32, s if fmt.issue_bound else -s)
-    return min(plans, key=lambda p: (p.per_sm == 1, plans[p]))
+                    resident = -(-clusters * s // num_sms())    # CTAs on the busiest SM
+                    busiest = resident * per_cta * (kt // s)    # K tiles of the busiest SM
+                    alone = (resident == 1 and per_cta * kt // s > _STAGES_ALONE
+                             and smem(s, _STAGES_ALONE) + CTA_SMEM_RESERVE <= SMEM_PER_SM)
+                    plans[Plan(rows, per_sm, s, _STAGES_ALONE if alone else _STAGES)] = (
+                        per_sm == 1, busiest, s > 1 and kt // s < _SPLIT_MIN_TILES, -resident, per_cta, rows != 32,
+                        s if fmt.issue_bound else -s)
+    least = min(key[:2] for key in plans.values())
+    tied = {p: key for p, key in plans.items() if key[:2] == least}
+    if any(p.splits == 1 for p in tied):      # a short split loses to no split at all, not to a longer one
+        return min(tied, key=tied.get)
+    return min(tied, key=lambda p: tied[p][3:])
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "interpret"))
@@ -476,10 +488,10 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
     m, k = x.shape
     n = w_bytes.shape[0]
     if not supported(fmt, m, n, k) or w_bytes.shape[1] * fmt.codes_per_byte != k:
-        wide = f" (9-16 where {fmt.wide_ctas_per_sm} CTAs fit an SM)" if fmt.wide_ctas_per_sm > 1 else ""
+        wide = f" (9-16 where K splits {fmt.wide_max_splits} ways at most)" if fmt.wide_max_splits < 8 else ""
         raise ValueError(f"{fmt.name} serves 1 <= M <= {MAX_M}{wide}, N % 64 == 0, K % {fmt.k_multiple(64)} == 0 with "
                          f"codes of K / {fmt.codes_per_byte} bytes; got M={m}, N={n}, K={k}, codes {w_bytes.shape}")
-    rows, per_sm, splits = _plan(fmt, n, k, m)
+    rows, per_sm, splits, stages = _plan(fmt, n, k, m)
     nb = _blocks(m)
     xr = 8 * nb                                             # x rows staged
     tb, tk = tile_bytes(rows), fmt.tile_k(rows)
@@ -507,14 +519,14 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
             tokens = pl.ds(0, m if interpret else xr)
             plgpu.copy_gmem_to_smem(x_ref.at[tokens, pl.ds(kc * tk, tk)], x_smem.at[slot, tokens], b)
 
-        for p in range(_STAGES):
+        for p in range(stages):
             @pl.when(p < tiles)
             def _():
                 issue(p, p)
         s2_smem[0] = s2_ref[0]
 
         def step(i, acc):
-            slot = lax.rem(i, _STAGES)
+            slot = lax.rem(i, stages)
             item, kc = where(i)
             plgpu.barrier_wait(bar.at[slot])
             w_tile, x_tile = (w_smem, x_smem) if interpret else (w_raw, x_raw)
@@ -522,9 +534,9 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
                                m=m, rows=rows, interpret=interpret)
             plgpu.commit_smem()                               # every thread is done with the slot
 
-            @pl.when(i + _STAGES < tiles)
+            @pl.when(i + stages < tiles)
             def _():
-                issue(i + _STAGES, slot)
+                issue(i + stages, slot)
 
             last = lax.rem(i, kts) == kts - 1
             out_rows = pl.ds(item * rows, rows)
@@ -568,11 +580,11 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
     call = plgpu.kernel(
         kernel, out_type=(jax.ShapeDtypeStruct((m, n), out_dtype),
                           *([jax.ShapeDtypeStruct((splits, m, n), jnp.float32)] if emulated else [])),
-        scratch_types=[_tiles((_STAGES, xr, tk), jnp.bfloat16), _tiles((_STAGES, rows, tb), jnp.uint8),
-                       plgpu.SMEM((_STAGES, *fmt.scales.slot(rows)), fmt.scales.dtype),
+        scratch_types=[_tiles((stages, xr, tk), jnp.bfloat16), _tiles((stages, rows, tb), jnp.uint8),
+                       plgpu.SMEM((stages, *fmt.scales.slot(rows)), fmt.scales.dtype),
                        plgpu.SMEM((4, xr, rows), jnp.float32),
                        plgpu.SMEM((1,), jnp.float32),
-                       plgpu.Barrier(num_arrivals=3, num_barriers=_STAGES),
+                       plgpu.Barrier(num_arrivals=3, num_barriers=stages),
                        *([plgpu.SMEM((splits - 1, xr, rows), jnp.float32),
                           plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1, num_barriers=1)] if merged
                          else [])],

@@ -67,7 +67,7 @@ def _values(codes, scales):
 
 
 FORMAT = mma_gemv.Format(name="fp8_block_mma_gemv", codes_per_byte=1, block=BLOCK, pair=2, factor=1.0,
-                         operands=_operands, scales=SCALES, values=_values, wide_ctas_per_sm=3,
+                         operands=_operands, scales=SCALES, values=_values, wide_max_splits=2,
                          k_step=BLOCK * _BOX)
 
 
@@ -77,11 +77,10 @@ FORMAT = mma_gemv.Format(name="fp8_block_mma_gemv", codes_per_byte=1, block=BLOC
 # 1.10-1.17x on 4096x4096, 6144x4096 and 4096x12288 (part 49); at 16 rows 1.0-1.28x from 7168
 # rows, 1.06-1.09x on 4096x4096 and 6144x4096 but 0.90x on 4096x12288 (part 49).
 MIN_N = 4096
-WIDE_MIN_N = 7168
 
 
 def supported(m: int, n: int, k: int) -> bool:
-    return n >= (MIN_N if m <= 8 else WIDE_MIN_N) and mma_gemv.supported(FORMAT, m, n, k)
+    return n >= MIN_N and mma_gemv.supported(FORMAT, m, n, k)
 
 
 def gemv(x, w_q, w_scale_inv, *, out_dtype, interpret=False):

@@ -54,7 +54,7 @@ def _values(codes, scales):
 
 FORMAT = mma_gemv.Format(name="mxfp8_mma_gemv", codes_per_byte=1, block=BLOCK, pair=2, factor=1.0,
                          operands=_operands, scales=mma_gemv.row_scales(BLOCK, _scale_pairs),
-                         values=_values, wide_ctas_per_sm=3)
+                         values=_values, wide_max_splits=2)
 
 
 def supported(m: int, n: int, k: int) -> bool:

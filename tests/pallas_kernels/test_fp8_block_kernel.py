@@ -94,11 +94,11 @@ def test_one_row_runs_the_gemv(n, k, sms, gemv_spy):
 
 
 @pytest.mark.parametrize("m,n,k,sms,plan", [
-    (2, 64, 2048, None, (32, 3, 2)),    # two 32-row items of 4 tiles in one 128-row block, each over a cluster of 2
-    (5, 448, 1536, 2, (64, 2, 1)),      # 7 64-row items (the last half a 128-row block) over 4 CTAs, 6 tiles each
-    (8, 448, 2048, 1, (32, 2, 1)),      # 14 32-row items, 7 a CTA: their 4 tiles each refill the ring across items
-    (12, 128, 1536, None, (32, 3, 1)),  # two 8-token column blocks, the second partly filled
-    (16, 320, 1536, 2, (64, 3, 1)),     # two full column blocks on ring refills
+    (2, 64, 2048, None, (32, 3, 2, 2)),    # two 32-row items of 4 tiles in one 128-row block, each over a cluster of 2
+    (5, 448, 1536, 2, (64, 2, 1, 2)),      # 7 64-row items (the last half a 128-row block) over 4 CTAs, 6 tiles each
+    (8, 448, 2048, 1, (32, 2, 1, 2)),      # 14 32-row items, 7 a CTA: their 4 tiles each refill the ring across items
+    (12, 128, 1536, None, (32, 3, 1, 2)),  # two 8-token column blocks, the second partly filled
+    (16, 320, 1536, 2, (64, 3, 1, 2)),     # two full column blocks on ring refills
 ])
 def test_mma_gemv_matches_oracle(m, n, k, sms, plan, gemv_spy):
     """The tensor-core GEMV's weights are bf16(f32(w_q) * scale) as the twin's (fp32 and bf16
@@ -117,15 +117,14 @@ def test_mma_gemv_matches_oracle(m, n, k, sms, plan, gemv_spy):
 
 
 def test_few_rows_on_many_weight_rows_run_the_mma_gemv(monkeypatch, gemv_spy):
-    """2-8 W8A16 rows go to the mma GEMV from MIN_N weight rows, 9-16 from WIDE_MIN_N where the
-    plan fits 3 CTAs an SM (both here lowered to 64), W8A8 keeps its kernel; K a multiple of 512
-    (a TMA box of 4 block scales), N of 64."""
+    """2-16 W8A16 rows go to the mma GEMV from MIN_N weight rows (here lowered to 64), 9-16 where
+    K splits at most 2 ways; W8A8 keeps its kernel; K a multiple of 512 (a TMA box of 4 block
+    scales), N of 64."""
     assert mma_gemv.supported(2, 4096, 2048) and mma_gemv.supported(8, 6144, 4096)
-    assert not mma_gemv.supported(8, 2048, 4096) and not mma_gemv.supported(16, 6144, 4096)
-    assert mma_gemv.supported(16, 7168, 4096) and not mma_gemv.supported(16, 12288, 4096 + 256)
+    assert not mma_gemv.supported(8, 2048, 4096) and mma_gemv.supported(16, 4096, 4096)
+    assert mma_gemv.supported(16, 4096, 12288) and not mma_gemv.supported(16, 12288, 4096 + 256)
     assert mma_gemv.supported(1, 12288, 4096) and not mma_gemv.supported(17, 12288, 4096)
     monkeypatch.setattr(mma_gemv, "MIN_N", 64)
-    monkeypatch.setattr(mma_gemv, "WIDE_MIN_N", 64)
     assert not mma_gemv.supported(16, 2048, 4096) and mma_gemv.supported(8, 2048, 4096)
     calls = gemv_spy(mma_gemv)
     x, wq, ws = make(4, 128, 1024, seed=4)

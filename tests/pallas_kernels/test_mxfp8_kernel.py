@@ -84,15 +84,16 @@ def test_one_row_past_the_gemvs_k_runs_the_mma_gemv(gemv_spy):
 
 
 @pytest.mark.parametrize("m,n,k,sms,plan", [
-    (2, 64, 2048, None, (32, 3, 2)),    # two 32-row items of 4 K tiles, each over a cluster of 2
-    (6, 128, 8192, None, (32, 3, 8)),   # 4 items of 16 tiles: clusters of 8, 2 tiles each
-    (3, 64, 1536, None, (32, 3, 1)),    # 3 tiles: no even split
-    (3, 128, 3072, 4, (32, 3, 2)),      # 4 items of 6 tiles, 4 SMs: 1 or 2 splits load an SM alike, the more win
-    (8, 448, 3072, 1, (32, 2, 1)),      # 14 items, 7 a CTA: their 6 tiles each refill the ring across items
-    (8, 448, 1536, 2, (64, 2, 1)),      # 7 64-row items over 4 CTAs (unevenly)
-    (12, 64, 1536, None, (32, 3, 1)),   # two 8-token column blocks, the second partly filled
-    (16, 320, 3072, 2, (64, 3, 1)),     # two full column blocks on ring refills
-    (4, 128, 768, None, (64, 3, 1)),    # K not a multiple of a 32-row tile's 512 codes: 64-row items
+    (2, 64, 2048, None, (32, 3, 2, 2)),    # two 32-row items of 4 K tiles, each over a cluster of 2
+    (6, 128, 8192, None, (32, 3, 8, 2)),   # 4 items of 16 tiles: clusters of 8, 2 tiles each
+    (3, 64, 1536, None, (32, 3, 1, 2)),    # 3 tiles: no even split
+    (3, 128, 3072, 4, (32, 3, 1, 4)),   # 4 items of 6 tiles, 4 SMs: 1 or 2 splits load an SM alike; 3 tiles a CTA
+                                         # are too few to split, so one CTA an SM with a 4-slot ring that refills
+    (8, 448, 3072, 1, (32, 2, 1, 2)),      # 14 items, 7 a CTA: their 6 tiles each refill the ring across items
+    (8, 448, 1536, 2, (64, 2, 1, 2)),      # 7 64-row items over 4 CTAs (unevenly)
+    (12, 64, 1536, None, (32, 3, 1, 2)),   # two 8-token column blocks, the second partly filled
+    (16, 320, 3072, 2, (64, 3, 1, 2)),     # two full column blocks on ring refills
+    (4, 128, 768, None, (64, 3, 1, 2)),    # K not a multiple of a 32-row tile's 512 codes: 64-row items
 ])
 def test_few_rows_run_the_mma_gemv(m, n, k, sms, plan, gemv_spy):
     """2-16 activation rows go to the tensor-core GEMV (fp32 and bf16 out); both item shapes, K
@@ -108,19 +109,35 @@ def test_few_rows_run_the_mma_gemv(m, n, k, sms, plan, gemv_spy):
     yb = matmul_kernel(x, wq, ws, out_dtype=jnp.bfloat16, interpret=True)
     assert yb.dtype == jnp.bfloat16 and orc.rel_err(yb, oracle(x, wq, ws)) < 4e-3
     assert not mma_gemv.supported(17, n, k) and not mma_gemv.supported(m, n + 16, k)
-    with pytest.raises(ValueError, match=r"mxfp8_mma_gemv serves 1 <= M <= 16 \(9-16 where 3 CTAs fit an SM\)"):
+    with pytest.raises(ValueError, match=r"mxfp8_mma_gemv serves 1 <= M <= 16 \(9-16 where K splits 2 ways at most\)"):
         mma_gemv.gemv(jnp.zeros((17, k), x.dtype), wq, ws, out_dtype=jnp.float32, interpret=True)
 
 
-def test_nine_to_sixteen_rows_need_three_ctas_an_sm():
-    """At 9-16 rows the plan prefers 3 CTAs an SM to an equal load at 2 (4096x4096: 1 split, not
-    the 2 of 8 rows); where only 2 fit (2048x4096: 4 splits) MXFP8 keeps the engine, NVFP4 not."""
+def test_plan_splits_k_where_each_cta_keeps_six_tiles(monkeypatch):
+    """Of equally loaded plans: a K split where each CTA of it still streams 6 tiles
+    (4096x12288: 24 8-bit tiles, 2 splits, two CTAs an SM), else one CTA alone on its SM, with a
+    4-slot ring where it streams more than 4 tiles (4096x4096: 8 8-bit tiles, 4 NVFP4 ones), at
+    every token count and in every format (H200 timings, RESULTS.md part 50)."""
+    from pallas_kernels.fp8_block import mma_gemv as fp8_mma
     from pallas_kernels.nvfp4 import mma_gemv as nvfp4_mma
 
-    assert mma_kernel._plan(mma_gemv.FORMAT, 4096, 4096, 8) == (32, 3, 2)
-    assert mma_kernel._plan(mma_gemv.FORMAT, 4096, 4096, 16) == (32, 3, 1)
-    assert mma_gemv.supported(16, 4096, 4096) and mma_gemv.supported(9, 24576, 4096)
-    assert mma_kernel._plan(mma_gemv.FORMAT, 2048, 4096, 16) == (32, 2, 4)
+    monkeypatch.setattr(mma_kernel, "num_sms", lambda: 132)
+    for fmt in (mma_gemv.FORMAT, fp8_mma.FORMAT, nvfp4_mma.FORMAT):
+        for m in (1, 2, 8, 16):
+            assert mma_kernel._plan(fmt, 4096, 12288, m)[2:] == (2, 2)
+            assert mma_kernel._plan(fmt, 4096, 4096, m)[2:] == (1, 2 if fmt is nvfp4_mma.FORMAT else 4)  # NVFP4: 4 tiles
+    assert mma_kernel._plan(mma_gemv.FORMAT, 4096, 12288, 8) == (32, 3, 2, 2)
+    assert mma_kernel._plan(mma_gemv.FORMAT, 4096, 12288, 16) == (32, 2, 2, 2)   # 3 CTAs of 2 splits do not fit
+
+
+def test_nine_to_sixteen_rows_split_k_at_most_twice():
+    """MXFP8 takes 9-16 rows where K splits at most 2 ways (4096x12288: 2; 4096x4096: 1); where
+    the plan needs clusters of 4 (2048x4096) it keeps the engine, NVFP4 not."""
+    from pallas_kernels.nvfp4 import mma_gemv as nvfp4_mma
+
+    assert mma_gemv.supported(16, 4096, 4096) and mma_gemv.supported(16, 4096, 12288)
+    assert mma_gemv.supported(9, 24576, 4096)
+    assert mma_kernel._plan(mma_gemv.FORMAT, 2048, 4096, 16) == (32, 2, 4, 2)
     assert not mma_gemv.supported(16, 2048, 4096) and mma_gemv.supported(8, 2048, 4096)
     assert nvfp4_mma.supported(16, 2048, 4096)
     x, wq, ws = make(16, 2048, 4096, seed=5)
@@ -129,20 +146,19 @@ def test_nine_to_sixteen_rows_need_three_ctas_an_sm():
 
 
 def test_plan_keeps_clusters_the_gpu_can_place(monkeypatch):
-    """Clusters of 4 that need more places than the GPU's clusters offer take 2 splits instead
-    (the H200's counts: 92 clusters of 4 at 3 CTAs an SM; 3072x4096 has 96 32-row items); where
-    they fit (2048x4096: 64) the plan keeps them. NVFP4's equal-load tie goes to one split."""
+    """Clusters of 4 that need more places than the GPU's clusters offer are not taken (the
+    H200's counts: 92 clusters of 4 at 3 CTAs an SM; 3072x4096 has 96 32-row items, which then
+    take one CTA each); where they fit (2048x4096: 64) the plan keeps them."""
     from pallas_kernels.nvfp4 import mma_gemv as nvfp4_mma
 
     h200 = {(4, 3): 92, (8, 3): 45, (4, 2): 62, (8, 2): 30, (4, 1): 30, (8, 1): 15}
     monkeypatch.setattr(mma_kernel, "num_sms", lambda: 132)
     monkeypatch.setattr(mma_kernel, "max_active_clusters", lambda s, per_sm: h200.get((s, per_sm), 132 * per_sm // s))
-    assert mma_kernel._plan(mma_gemv.FORMAT, 3072, 4096, 8) == (32, 3, 2)
-    assert mma_kernel._plan(mma_gemv.FORMAT, 2048, 4096, 8) == (32, 3, 4)
-    assert mma_kernel._plan(mma_gemv.FORMAT, 4096, 4096, 8) == (32, 3, 2)
-    assert mma_kernel._plan(nvfp4_mma.FORMAT, 4096, 4096, 8) == (32, 3, 1)
+    assert mma_kernel._plan(mma_gemv.FORMAT, 3072, 4096, 8) == (32, 3, 1, 4)
+    assert mma_kernel._plan(mma_gemv.FORMAT, 2048, 4096, 8) == (32, 3, 4, 2)
+    assert mma_kernel._plan(nvfp4_mma.FORMAT, 4096, 4096, 8) == (32, 3, 1, 2)   # 4 tiles: 2 slots
     monkeypatch.setattr(mma_kernel, "max_active_clusters", lambda s, per_sm: 132 * per_sm // s)
-    assert mma_kernel._plan(mma_gemv.FORMAT, 3072, 4096, 8) == (32, 3, 4)
+    assert mma_kernel._plan(mma_gemv.FORMAT, 3072, 4096, 8) == (32, 3, 4, 2)
 
 
 def test_plan_picks_the_item_rows(monkeypatch):
@@ -154,10 +170,10 @@ def test_plan_picks_the_item_rows(monkeypatch):
 
     monkeypatch.setattr(mma_kernel, "num_sms", lambda: 132)
     for fmt in (mma_gemv.FORMAT, fp8_mma.FORMAT, nvfp4_mma.FORMAT):
-        assert mma_kernel._plan(fmt, 12288, 4096, 8) == (32, 3, 1)        # 384 items, one a CTA
-        assert mma_kernel._plan(fmt, 24576, 4096, 2) == (64, 3, 1)        # 768 32-row items would be 2 a CTA
-    assert mma_kernel._plan(nvfp4_mma.FORMAT, 12288, 4096, 16) == (64, 2, 1)   # 2 CTAs an SM: 16 tiles either way
-    assert mma_kernel._plan(nvfp4_mma.FORMAT, 24576, 4096, 16) == (32, 2, 1)   # 24 tiles against 32
+        assert mma_kernel._plan(fmt, 12288, 4096, 8) == (32, 3, 1, 2)     # 384 items, one a CTA
+        assert mma_kernel._plan(fmt, 24576, 4096, 2) == (64, 3, 1, 2)     # 768 32-row items would be 2 a CTA
+    assert mma_kernel._plan(nvfp4_mma.FORMAT, 12288, 4096, 16) == (64, 2, 1, 2)   # 2 CTAs an SM: 16 tiles either way
+    assert mma_kernel._plan(nvfp4_mma.FORMAT, 24576, 4096, 16) == (32, 2, 1, 2)   # 24 tiles against 32
 
 
 def test_cluster_places_without_a_gpu():

@@ -94,15 +94,16 @@ def test_gemv_serves_one_row_of_whole_boxes():
 
 
 @pytest.mark.parametrize("m,n,k,sms,plan", [
-    (2, 64, 4096, None, (32, 2, 4)),    # two 32-row items of 4 K tiles, each over a cluster of 4
-    (5, 128, 16384, None, (32, 2, 8)),  # 4 items of 16 tiles: clusters of 8, 2 tiles each
-    (4, 64, 1024, None, (32, 3, 1)),    # one tile an item: too little K to split
-    (3, 128, 6144, 4, (32, 3, 1)),      # 4 items of 6 tiles, 4 SMs: 1 or 2 splits load an SM alike, the fewer win
-    (8, 448, 4096, 1, (32, 2, 1)),      # 14 items, 7 a CTA: their 4 tiles each refill the ring across items
-    (8, 448, 4096, 2, (64, 2, 1)),      # 7 64-row items over 4 CTAs (unevenly): 14 32-row ones load alike, 2 a CTA more
-    (16, 64, 4096, None, (32, 2, 2)),   # two 8-token column blocks
-    (11, 448, 4096, 2, (64, 2, 1)),     # the second block partly filled, on ring refills
-    (4, 128, 1536, None, (64, 3, 1)),   # K not a multiple of a 32-row tile's 1024 codes: 64-row items
+    (2, 64, 4096, None, (32, 2, 4, 2)), # two 32-row items of 4 K tiles, each over a cluster of 4
+    (5, 128, 16384, None, (32, 2, 8, 2)),  # 4 items of 16 tiles: clusters of 8, 2 tiles each
+    (4, 64, 1024, None, (32, 3, 1, 2)), # one tile an item: too little K to split
+    (3, 128, 6144, 4, (32, 3, 1, 4)),   # 4 items of 6 tiles, 4 SMs: 1 or 2 splits load an SM alike; 3 tiles a CTA
+                                         # are too few to split, so one CTA an SM with a 4-slot ring that refills
+    (8, 448, 4096, 1, (32, 2, 1, 2)),      # 14 items, 7 a CTA: their 4 tiles each refill the ring across items
+    (8, 448, 4096, 2, (64, 2, 1, 2)),      # 7 64-row items over 4 CTAs (unevenly): 14 32-row ones load alike, 2 a CTA more
+    (16, 64, 4096, None, (32, 2, 2, 2)),   # two 8-token column blocks
+    (11, 448, 4096, 2, (64, 2, 1, 2)),     # the second block partly filled, on ring refills
+    (4, 128, 1536, None, (64, 3, 1, 2)),   # K not a multiple of a 32-row tile's 1024 codes: 64-row items
 ])
 def test_few_rows_run_the_mma_gemv(m, n, k, sms, plan, gemv_spy):
     """2-16 activation rows go to the tensor-core GEMV; both item shapes, K splits (the
