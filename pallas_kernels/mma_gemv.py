@@ -55,8 +55,9 @@ Shared-memory loads are 16 bytes with their alignment stated: without it the com
 some of them into 2-byte loads (with 16-way bank conflicts; that made two 8-token column blocks
 2.5x slower than one). With two column blocks NVFP4 ran 1.1-1.6x faster than the wgmma engine
 on the H200 (RESULTS.md, part 30) and MXFP8 0.98-1.31x where 3 CTAs fit an SM; where only 2 fit
-(its 16-token slots) MXFP8 ran 0.8-0.9x the engine, so it keeps the engine there
-(`Format.wide_ctas_per_sm`; part 31). Since the engine decodes NVFP4 words the same way (part
+(its 16-token slots, there with clusters of 4) MXFP8 ran 0.8-0.9x the engine, so MXFP8 and
+block FP8 keep the engine where the plan splits K more than twice (`Format.wide_max_splits`;
+parts 31 and 50). Since the engine decodes NVFP4 words the same way (part
 35), the two were within 4 % of each other at 12 and 16 tokens before the swizzle (this GEMV
 faster on 4096x4096, the engine on 12288x4096 and 4096x12288); at 2-8 tokens the engine took
 3-19 % longer.
@@ -418,32 +419,46 @@ class Plan(NamedTuple):
     rows: int       # weight rows per item (`ITEM_ROWS`)
     per_sm: int     # CTAs an SM
     splits: int     # CTAs (a cluster) sharing an item, one K range each
-    stages: int     # ring slots per CTA
+    stages: int     # ring slots per CTA (`_STAGES`, or `_STAGES_ALONE` for a CTA alone on its SM)
 
 
 def _plan(fmt: Format, n: int, k: int, m: int) -> Plan:
-    """The item rows, CTAs per SM and K splits of a call. A K split is a cluster of 2, 4 or 8 CTAs
-    sharing an item, each over its own K tiles, at least _MIN_K codes of K. Of the plans whose
-    CTAs fit an SM's shared memory and keep every cluster in the first wave as the GPU places
-    clusters (so that with splits every cluster takes one item), the one that leaves the fewest
-    K tiles (`TILE_SIZE` bytes of codes each) to the busiest SM: ceil(CTAs / SMs) CTAs of
+    """The item rows, CTAs per SM, K splits and ring slots of a call. A K split is a cluster of 2,
+    4 or 8 CTAs sharing an item, each over its own K tiles, at least _MIN_K codes of K. Of the
+    plans whose CTAs fit an SM's shared memory and keep every cluster in the first wave as the GPU
+    places clusters (so that with splits every cluster takes one item), the one that leaves the
+    fewest K tiles (`TILE_SIZE` bytes of codes each) to the busiest SM: ceil(CTAs / SMs) CTAs of
     ceil(items / clusters) items of K tiles / splits each (NVFP4, 16 tokens: 384 32-row items on
     264 CTAs, 16 tiles, ran 16.6 us at 12288x4096 against 15.6 for 192 64-row items, also 16;
-    24576x4096: 24 tiles against 32, 24.3 us against 29.1, part 49); of equally loaded ones, the
-    most CTAs an SM (MXFP8 at 16 tokens: 2 splits at 3 CTAs an SM ran 9.3 us at 4096x4096 against
-    12.0 for 4 splits at 2, RESULTS.md part 31), then the fewest items a CTA (24576x4096 at 1-2
-    tokens: 32-row items two a CTA ran 3-10 % slower than 64-row items one a CTA in NVFP4 and
-    block FP8, part 49), then 32-row items (up to 16 % faster than 64-row ones on 4096-12288
-    rows, part 49: the module docstring), then the fewest splits where decoding bounds the tile
-    (NVFP4: more CTAs an SM add merge work, not throughput), else the most (MXFP8: more CTAs an SM
-    keep more bytes in flight). Sweeps of forced splits on the H200 (64-row items, RESULTS.md part 30)
-    found this rule's choice fastest or within 1 % on 11 of the 12 shapes and formats swept at 8
-    tokens (MXFP8 2048x4096: 3 % behind 8 splits of 2 tiles); clusters of 3 and 6 placed badly
-    (a second wave at 4096x12288, part 28). The placement (`max_active_clusters`) matters where
-    clusters of 4 or 8 fill nearly every place: 96 clusters of 4 at 3 CTAs an SM, where the
-    H200 holds 92, ran 9.8-12.5 us at 6144x4096 and 2-8 tokens, against 8.9-11.2 for 2 splits,
-    in all three formats (part 32). One CTA an SM, which shared memory never refuses, is the last
-    resort: by this count it can look lighter than two CTAs an SM whose items spread evenly."""
+    24576x4096: 24 tiles against 32, 24.3 us against 29.1, part 49). Of equally loaded ones:
+
+    * no split at all before a split whose CTAs stream fewer than _SPLIT_MIN_TILES tiles each
+      (8-bit 4096x4096, 8 tiles: one CTA an SM ran 2-5 % faster at 2-8 tokens than 2 splits of
+      4; NVFP4 4096x12288, 12 tiles: 2 splits of 6 ran 4-6 % faster than none, RESULTS.md part
+      50); among splits only, a short one is no worse (MXFP8 1024x12288: 8 splits of 3 tiles
+      7.1 us, 4 of 6 8.2);
+    * the most CTAs on the busiest SM (MXFP8 4096x12288 at 16 tokens: 2 splits, two CTAs an SM,
+      ran 16.2-16.4 us against 19.5-19.9 for one CTA an SM with 2 slots, part 50; MXFP8 at 16
+      tokens, 64-row items: 2 splits one CTA an SM 9.3 us at 4096x4096 against 12.0 for 4 splits
+      at two, part 31, where 4 splits are now short);
+    * the fewest items a CTA (24576x4096 at 1-2 tokens: 32-row items two a CTA ran 3-10 % slower
+      than 64-row items one a CTA in NVFP4 and block FP8, part 49);
+    * 32-row items (up to 16 % faster than 64-row ones on 4096-12288 rows, part 49: the module
+      docstring);
+    * the fewest splits where decoding bounds the tile (NVFP4: more CTAs an SM add merge work, not
+      throughput), else the most (MXFP8: more CTAs an SM keep more bytes in flight).
+
+    A CTA alone on its SM that streams more than _STAGES_ALONE tiles gets that many ring slots, not
+    _STAGES (MXFP8, one CTA an SM: 4096x12288 at 16 tokens 19.9 us with 2 slots, 16.4 with 4,
+    17.4 with 6; 4096x4096 at 8 tokens 7.8 with 2, 7.0 with 4, 7.8 with 8); NVFP4's 4 tiles an item
+    on 4096x4096 ran 0.1-0.3 us slower with 4 (part 50). Sweeps of forced splits (64-row items, part 30) found the rule of
+    that time fastest or within 1 % on 11 of 12 shapes at 8 tokens; clusters of 3 and 6 placed
+    badly (a second wave at 4096x12288, part 28; 3 splits at 4096x12288 ran 19.7-21.4 us against
+    15.3-16.5 for 2, part 50). The placement (`max_active_clusters`) matters where clusters of 4
+    or 8 fill nearly every place: 96 clusters of 4 at 3 CTAs an SM, where the H200 holds 92, ran
+    9.8-12.5 us at 6144x4096 and 2-8 tokens, against 8.9-11.2 for 2 splits, in all three formats
+    (part 32). One CTA an SM, which shared memory never refuses, is the last resort: by this count
+    it can look lighter than two CTAs an SM whose items spread evenly."""
     xr = 8 * _blocks(m)                                     # x rows staged
     plans = {}
     for rows in ITEM_ROWS:

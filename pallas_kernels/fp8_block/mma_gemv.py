@@ -1,6 +1,6 @@
 """Block FP8 (W8A16) on the mma GEMV for 1-16 activation rows (`pallas_kernels/mma_gemv.py`) of
-weights with at least `MIN_N` rows (9-16 rows from `WIDE_MIN_N`, where the plan fits 3 CTAs an
-SM): one e4m3 code a byte, one fp32 scale per 128x128 block.
+weights with at least `MIN_N` rows (9-16 rows where the plan splits K at most twice): one e4m3
+code a byte, one fp32 scale per 128x128 block.
 
 * operands: a word's 4 codes become fp32 (`row_gemv.decode_e4m3_word`, exact), each is
   multiplied by its block's fp32 scale and rounded to bf16 (`cvt.rn.bf16x2.f32`), operand i =
@@ -71,11 +71,11 @@ FORMAT = mma_gemv.Format(name="fp8_block_mma_gemv", codes_per_byte=1, block=BLOC
                          k_step=BLOCK * _BOX)
 
 
-# Weight rows from which 2-8 (MIN_N) and 9-16 (WIDE_MIN_N) activation rows take this GEMV rather
-# than the wgmma engine. On the H200, at 2-8 rows it ran 1.07-1.38x the engine from 7168 rows
-# (7168x2048, 10240, 12288 and 24576 x 4096, RESULTS.md part 31) and, with 32-row items,
-# 1.10-1.17x on 4096x4096, 6144x4096 and 4096x12288 (part 49); at 16 rows 1.0-1.28x from 7168
-# rows, 1.06-1.09x on 4096x4096 and 6144x4096 but 0.90x on 4096x12288 (part 49).
+# Weight rows from which 2-16 activation rows take this GEMV rather than the wgmma engine. On
+# the H200, at 2-8 rows it ran 1.07-1.38x the engine from 7168 rows (7168x2048, 10240, 12288 and
+# 24576 x 4096, RESULTS.md part 31) and, with 32-row items, 1.10-1.17x on 4096x4096, 6144x4096
+# and 4096x12288 (part 49); at 16 rows 1.0-1.28x from 7168 rows and, with part 50's plans,
+# 1.06-1.13x on 4096x4096, 6144x4096 and 4096x12288.
 MIN_N = 4096
 
 

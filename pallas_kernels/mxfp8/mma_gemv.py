@@ -1,5 +1,5 @@
 """MXFP8 on the mma GEMV for 1-16 activation rows (`pallas_kernels/mma_gemv.py`; 9-16 only where
-the plan fits 3 CTAs an SM): one e4m3 code a byte, E8M0 scales per 32.
+the plan splits K at most twice): one e4m3 code a byte, E8M0 scales per 32.
 
 * operands: a word's 4 codes make two bf16x2 operands, operand i = codes (i, i + 2). A code's 7
   magnitude bits moved to bits 4-10 of its half and its sign to bit 15 are e4m3 * 2^-120 as bf16
