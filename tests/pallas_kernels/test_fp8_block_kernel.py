@@ -105,7 +105,8 @@ def test_mma_gemv_matches_oracle(m, n, k, sms, plan, gemv_spy):
     out): each tile reads its 4 (32-row items) or 2 (64-row) of a slot's 4 block scales, K splits
     add their sums, the ring refills; the blocks' scales span 2^-6 .. 2^6."""
     rows = plan[0]
-    calls = gemv_spy(mma_gemv, sms, items=n // rows, tiles=k // mma_gemv.FORMAT.tile_k(rows), kernel=mma_kernel)
+    calls = gemv_spy(mma_gemv, sms, items=n // rows, tiles=k // mma_gemv.FORMAT.tile_k(rows), kernel=mma_kernel,
+                     stages=plan[3])
     assert mma_kernel._plan(mma_gemv.FORMAT, n, k, m) == plan
     x, wq, ws = make(m, n, k, seed=n + m)
     x = x.astype(jnp.bfloat16)

@@ -100,7 +100,8 @@ def test_few_rows_run_the_mma_gemv(m, n, k, sms, plan, gemv_spy):
     splits (added by XLA in the interpreter, by the kernel on the GPU) and ring refills; 32-blocks
     span 2^-8 .. 2^8."""
     rows = plan[0]
-    calls = gemv_spy(mma_gemv, sms, items=n // rows, tiles=k // mma_gemv.FORMAT.tile_k(rows), kernel=mma_kernel)
+    calls = gemv_spy(mma_gemv, sms, items=n // rows, tiles=k // mma_gemv.FORMAT.tile_k(rows), kernel=mma_kernel,
+                     stages=plan[3])
     assert mma_kernel._plan(mma_gemv.FORMAT, n, k, m) == plan
     x, wq, ws = make(m, n, k, seed=n + m)
     y = matmul_kernel(x, wq, ws, out_dtype=jnp.float32, interpret=True)

@@ -110,7 +110,8 @@ def test_few_rows_run_the_mma_gemv(m, n, k, sms, plan, gemv_spy):
     interpreter adds the members' sums in XLA, the GPU in the kernel) and the ring's refills give
     the oracle's result."""
     rows = plan[0]
-    calls = gemv_spy(mma_gemv, sms, items=n // rows, tiles=k // mma_gemv.FORMAT.tile_k(rows), kernel=mma_kernel)
+    calls = gemv_spy(mma_gemv, sms, items=n // rows, tiles=k // mma_gemv.FORMAT.tile_k(rows), kernel=mma_kernel,
+                     stages=plan[3])
     assert mma_kernel._plan(mma_gemv.FORMAT, n, k, m) == plan
     x, *w = make(m, n, k, seed=n + m)
     y = matmul_kernel(x, *w, out_dtype=jnp.float32, interpret=True)
