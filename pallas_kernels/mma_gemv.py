@@ -450,14 +450,14 @@ def _plan(fmt: Format, n: int, k: int, m: int) -> Plan:
 
     A CTA alone on its SM that streams more than _STAGES_ALONE tiles gets that many ring slots, not
     _STAGES (MXFP8, one CTA an SM: 4096x12288 at 16 tokens 19.9 us with 2 slots, 16.4 with 4,
-    17.4 with 6; 4096x4096 at 8 tokens 7.8 with 2, 7.0 with 4, 7.8 with 8); NVFP4's 4 tiles an item
-    on 4096x4096 ran 0.1-0.3 us slower with 4 (part 50). Sweeps of forced splits (64-row items, part 30) found the rule of
-    that time fastest or within 1 % on 11 of 12 shapes at 8 tokens; clusters of 3 and 6 placed
-    badly (a second wave at 4096x12288, part 28; 3 splits at 4096x12288 ran 19.7-21.4 us against
-    15.3-16.5 for 2, part 50). The placement (`max_active_clusters`) matters where clusters of 4
-    or 8 fill nearly every place: 96 clusters of 4 at 3 CTAs an SM, where the H200 holds 92, ran
-    9.8-12.5 us at 6144x4096 and 2-8 tokens, against 8.9-11.2 for 2 splits, in all three formats
-    (part 32). One CTA an SM, which shared memory never refuses, is the last resort: by this count
+    17.4 with 6; 4096x4096 at 8 tokens 7.8 with 2, 7.0 with 4, 7.8 with 8); NVFP4's 4 tiles an
+    item on 4096x4096 ran 0.1-0.3 us slower with 4 (part 50). Sweeps of forced splits (64-row
+    items, part 30) found the rule of that time fastest or within 1 % on 11 of 12 shapes at 8
+    tokens; clusters of 3 and 6 placed badly (a second wave at 4096x12288, part 28; 3 splits at
+    4096x12288 ran 19.7-21.4 us against 15.3-16.5 for 2, part 50). The placement
+    (`max_active_clusters`) matters where clusters of 4 or 8 fill nearly every place: 96 clusters
+    of 4 at 3 CTAs an SM, where the H200 holds 92, ran 9.8-12.5 us at 6144x4096 and 2-8 tokens,
+    against 8.9-11.2 for 2 splits, in all three formats (part 32). One CTA an SM, which shared memory never refuses, is the last resort: by this count
     it can look lighter than two CTAs an SM whose items spread evenly."""
     xr = 8 * _blocks(m)                                     # x rows staged
     plans = {}
@@ -477,16 +477,16 @@ def _plan(fmt: Format, n: int, k: int, m: int) -> Plan:
                     per_cta = -(-items // clusters)             # items of the busiest CTA
                     resident = -(-clusters * s // num_sms())    # CTAs on the busiest SM
                     busiest = resident * per_cta * (kt // s)    # K tiles of the busiest SM
-                    alone = (resident == 1 and per_cta * kt // s > _STAGES_ALONE
+                    alone = (resident == 1 and busiest > _STAGES_ALONE
                              and smem(s, _STAGES_ALONE) + CTA_SMEM_RESERVE <= SMEM_PER_SM)
                     plans[Plan(rows, per_sm, s, _STAGES_ALONE if alone else _STAGES)] = (
                         per_sm == 1, busiest, s > 1 and kt // s < _SPLIT_MIN_TILES, -resident, per_cta, rows != 32,
                         s if fmt.issue_bound else -s)
-    least = min(key[:2] for key in plans.values())
+    least = min(plans.values())[:2]
     tied = {p: key for p, key in plans.items() if key[:2] == least}
-    if any(p.splits == 1 for p in tied):      # a short split loses to no split at all, not to a longer one
-        return min(tied, key=tied.get)
-    return min(tied, key=lambda p: tied[p][3:])
+    if not any(p.splits == 1 for p in tied):     # among splits only, a short one is no worse
+        tied = {p: key[:2] + (False,) + key[3:] for p, key in tied.items()}
+    return min(tied, key=tied.get)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "interpret"))
