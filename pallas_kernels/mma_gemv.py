@@ -83,8 +83,9 @@ from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import (CTA_SMEM_RESERVE, SMEM_PER_SM, cst, gpu_fence, hand_synced, interpret_kwargs, ix,
-                                    max_active_clusters, num_sms)
+from pallas_kernels import row_gemv
+from pallas_kernels.common import (CTA_SMEM_RESERVE, SMEM_PER_SM, cst, gpu_fence, hand_synced,
+                                    interpret_kwargs, ix, max_active_clusters, num_sms)
 
 TILE_SIZE = 16384            # bytes of codes per K tile: an item's rows x `tile_bytes`
 ITEM_ROWS = (32, 64)         # weight rows per item, the plan's choice (`_plan`)
@@ -188,19 +189,31 @@ def supported(fmt: Format, m: int, n: int, k: int) -> bool:
             and (m <= 8 or _plan(fmt, n, k, m).splits <= fmt.wide_max_splits))
 
 
-def takes_one_row(n: int) -> bool:
-    """Whether one activation row runs faster here than on the CUDA-core row GEMV (`row_gemv.py`):
-    where the weight has a 64-row item for every SM. One H200, NVFP4 / block FP8 at K = 4096,
-    device us, row GEMV -> this one (RESULTS.md part 48): 24576 rows 21.8 -> 18.7 / 28.2 -> 26.9,
-    12288 rows 12.2 -> 11.8 / 15.7 -> 15.4; on 4096 and 6144 rows and on 4096x12288 the row GEMV
-    was 4-21 % faster, and for MXFP8 on every shape (so MXFP8 does not ask)."""
-    return n // 64 >= num_sms()
+def takes_one_row(fmt: Format, row_fmt: row_gemv.Format, n: int, k: int) -> bool:
+    """Whether one activation row runs faster here than on the CUDA-core row GEMV (`row_gemv.py`,
+    format ``row_fmt``): where this GEMV's plan leaves the busiest SM fewer K tiles
+    (`TILE_SIZE` bytes each) than the row GEMV's items do (`row_gemv.busiest_tiles`, whose
+    partial last tile costs a whole one), or as many on a weight with a 64-row item for every SM.
+    One H200, device us, row GEMV -> this one: NVFP4 at K = 7168 (row tiles 2048 codes, 3.5 an
+    item) 4096 rows 9.28 -> 8.06, 7168 rows 15.02 -> 12.38, 4096x5120 7.39 -> 6.37, block FP8
+    4096x1536 4.07 -> 3.72 (RESULTS.md part 51); as many tiles: NVFP4 / block FP8 on 24576x4096
+    21.8 -> 18.7 / 28.2 -> 26.9, 12288x4096 12.2 -> 11.8 / 15.7 -> 15.4 (part 48), and from -4 to
+    +7 % on 4096-6144 rows (parts 48-51). More tiles here lost by 1-32 % (1024- and 2048-row
+    NVFP4 at K = 7168, 6.89 against 5.22 at 1024 rows). MXFP8 does not ask: its row GEMV won on
+    every shape of as many tiles, by up to 8 %, and fewer tiles here gave +3 / -2 %."""
+    if not supported(fmt, 1, n, k):
+        return False
+    p = _plan(fmt, n, k, 1)
+    mine = _load(n // p.rows, k // fmt.tile_k(p.rows), p.per_sm, p.splits)[2]
+    row = row_gemv.busiest_tiles(row_fmt, n, k)
+    return mine < row or (mine == row and n // 64 >= num_sms())
 
 
-def gemv_order(m: int, n: int, row_form, mma_form) -> tuple:
-    """A format's two GEMV modules in the order a call of M rows on N weight rows tries them: the
-    row GEMV first, except for one row where `takes_one_row`."""
-    return (mma_form, row_form) if m == 1 and takes_one_row(n) else (row_form, mma_form)
+def gemv_order(m: int, n: int, k: int, row_form, mma_form) -> tuple:
+    """A format's two GEMV modules (each with its `FORMAT`) in the order a call of M rows on an
+    N x K weight tries them: the row GEMV first, except for one row where `takes_one_row`."""
+    return ((mma_form, row_form) if m == 1 and takes_one_row(mma_form.FORMAT, row_form.FORMAT, n, k)
+            else (row_form, mma_form))
 
 
 def _tiles(shape, dtype):
@@ -422,6 +435,16 @@ class Plan(NamedTuple):
     stages: int     # ring slots per CTA (`_STAGES`, or `_STAGES_ALONE` for a CTA alone on its SM)
 
 
+def _load(items: int, kt: int, per_sm: int, splits: int) -> tuple[int, int, int]:
+    """CTAs on the busiest SM, items of the busiest CTA and K tiles of the busiest SM (bounds:
+    ceil(CTAs / SMs) CTAs of ceil(items / clusters) items) for ``items`` of ``kt`` K tiles on
+    clusters of ``splits`` CTAs, ``per_sm`` of them an SM."""
+    clusters = min(items, num_sms() * per_sm // splits)
+    per_cta = -(-items // clusters)
+    resident = -(-clusters * splits // num_sms())
+    return resident, per_cta, resident * per_cta * (kt // splits)
+
+
 def _plan(fmt: Format, n: int, k: int, m: int) -> Plan:
     """The item rows, CTAs per SM, K splits and ring slots of a call. A K split is a cluster of 2,
     4 or 8 CTAs sharing an item, each over its own K tiles, at least _MIN_K codes of K. Of the
@@ -473,10 +496,7 @@ def _plan(fmt: Format, n: int, k: int, m: int) -> Plan:
                 if (kt % s == 0 and (s == 1 or (kt // s * tk >= _MIN_K and items * s <= num_sms() * per_sm
                                                 and items <= max_active_clusters(s, per_sm)))
                         and (per_sm == 1 or per_sm * (smem(s, _STAGES) + CTA_SMEM_RESERVE) <= SMEM_PER_SM)):
-                    clusters = min(items, num_sms() * per_sm // s)
-                    per_cta = -(-items // clusters)             # items of the busiest CTA
-                    resident = -(-clusters * s // num_sms())    # CTAs on the busiest SM
-                    busiest = resident * per_cta * (kt // s)    # K tiles of the busiest SM
+                    resident, per_cta, busiest = _load(items, kt, per_sm, s)
                     alone = (resident == 1 and busiest > _STAGES_ALONE
                              and smem(s, _STAGES_ALONE) + CTA_SMEM_RESERVE <= SMEM_PER_SM)
                     plans[Plan(rows, per_sm, s, _STAGES_ALONE if alone else _STAGES)] = (

@@ -49,8 +49,8 @@ from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import (CTA_SMEM_RESERVE, SMEM_PER_SM, bf16x2_word, cst, e4m3x2_to_f32, hand_synced,
-                                    interpret_kwargs, ix, num_sms)
+from pallas_kernels.common import (CTA_SMEM_RESERVE, SMEM_PER_SM, bf16x2_word, cst, e4m3x2_to_f32,
+                                    hand_synced, interpret_kwargs, ix, num_sms)
 
 ROWS = 16                    # weight rows per item (and per tile)
 ROW_BYTES = 1024             # bytes of codes per row and tile: 8 per thread
@@ -143,6 +143,31 @@ def fusable(n: int, k: int, out_dtype, *, norm: bool, residual: bool, glu: bool 
 
 def _padded_k(fmt: Format, k: int) -> int:
     return -(-k // fmt.tile_k) * fmt.tile_k
+
+
+def _smem(fmt: Format, kp: int, *, routed=False, extra_bytes=0, glu=False, scales_2=1) -> int:
+    """Shared-memory bytes of a CTA: x staged whole (not routed), the ring, the fusions' vectors,
+    the row sums' exchange, the gate's values and the global scales."""
+    slot = ROWS * ROW_BYTES + (np.prod(fmt.scales.slot) * jnp.dtype(fmt.scales.dtype).itemsize
+                               if fmt.scales is not None else 0)
+    slot += 2 * fmt.tile_k if routed else 0        # the tile's x chunk
+    return int(2 * kp * (not routed) + _STAGES * slot + extra_bytes + 4 * ROWS * 4 + ROWS * 4 * (1 + glu)
+               + 4 * scales_2)
+
+
+def _ctas(units: int, smem: int) -> int:
+    """Persistent CTAs for ``units`` items: as many per SM as are resident at once (a persistent
+    grid must not run in waves)."""
+    return min(units, num_sms() * max(1, min(_CTAS_PER_SM, SMEM_PER_SM // (smem + CTA_SMEM_RESERVE))))
+
+
+def busiest_tiles(fmt: Format, n: int, k: int) -> int:
+    """K tiles (16 rows x 1 KiB of codes, a partial last tile counted whole) that the busiest SM
+    streams for one unfused row of an N x K weight: ceil(CTAs / SMs) CTAs of ceil(items / CTAs)
+    items, as `mma_gemv._plan` counts its own (`mma_gemv.takes_one_row` compares the two)."""
+    kp, items = _padded_k(fmt, k), n // ROWS
+    ctas = _ctas(items, _smem(fmt, kp))
+    return -(-ctas // num_sms()) * -(-items // ctas) * (kp // fmt.tile_k)
 
 
 def supported(fmt: Format, m: int, n: int, k: int) -> bool:
@@ -400,12 +425,8 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, norm_weight=None, eps
     starts = np.cumsum((0,) + segments)
     extras = (([norm_weight.astype(jnp.bfloat16).reshape(k // _X_ROW, _X_ROW)] if normed else [])
               + ([residual.astype(jnp.bfloat16).reshape(n // _X_ROW, _X_ROW)] if res else []))
-    # as many CTAs per SM as are resident at once (a persistent grid must not run in waves)
-    slot = ROWS * ROW_BYTES + (np.prod(fmt.scales.slot) * jnp.dtype(fmt.scales.dtype).itemsize if scaled else 0)
-    slot += 2 * fmt.tile_k if routed else 0        # the tile's x chunk
-    smem = (2 * kp * (not routed) + _STAGES * slot + sum(2 * a.size for a in extras) + 4 * ROWS * 4
-            + ROWS * 4 * (1 + glu) + 4 * s2.shape[0])
-    ctas = min(units, num_sms() * max(1, min(_CTAS_PER_SM, SMEM_PER_SM // (smem + CTA_SMEM_RESERVE))))
+    ctas = _ctas(units, _smem(fmt, kp, routed=routed, extra_bytes=sum(2 * a.size for a in extras), glu=glu,
+                              scales_2=s2.shape[0]))
 
     def kernel(*refs):
         refs = list(refs)

@@ -2,7 +2,7 @@
 
 * W8A16 (default): one activation row on a shape the CUDA-core GEMV serves goes there
   (``gemv.py``), 1-16 rows on a shape the `mma.sync` GEMV serves to it (``mma_gemv.py``; one
-  row first there on weights of 64 rows an SM and more, `pallas_kernels.mma_gemv.takes_one_row`);
+  row first there where it is faster, `pallas_kernels.mma_gemv.takes_one_row`);
   everything else runs the shared dequantizing engine
   (``pallas_kernels/mxfp8/wdequant.py``; on the GPU, calls of more than 64 rows its
   warp-specialized form ``prefill_ws.py``) with one fp32 scale per min(128, ``tk``)
@@ -61,7 +61,7 @@ def matmul_kernel(x, w_q, w_scale_inv, *, block=DEFAULT_BLOCK, act_quant=False, 
         return y.reshape(*lead, n)
     if not plan_overrides:
         m = x2.shape[0]
-        for form in mma_kernel.gemv_order(m, n, gemv, mma_gemv):
+        for form in mma_kernel.gemv_order(m, n, k, gemv, mma_gemv):
             if form.supported(m, n, k):
                 y = form.gemv(x2.astype(jnp.bfloat16), w_q, w_scale_inv, out_dtype=jnp.dtype(out_dtype),
                               interpret=interpret)

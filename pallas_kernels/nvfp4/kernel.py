@@ -1,8 +1,9 @@
 """NVFP4 weight-only matmul on Hopper (RESULTS.md part 35 for the H200 numbers below).
 
 * One activation row (decode at batch 1) on a shape the CUDA-core GEMV serves: ``gemv.py``
-  (the engine took 1.13-1.38x its time), except on weights of 64 rows an SM and more
-  (`pallas_kernels.mma_gemv.takes_one_row`), where the `mma.sync` GEMV is faster.
+  (the engine took 1.13-1.38x its time), except where the `mma.sync` GEMV leaves the busiest
+  SM fewer K tiles, or as many on weights of 64 rows an SM and more
+  (`pallas_kernels.mma_gemv.takes_one_row`): it is faster there.
 * 1-16 rows otherwise: the `mma.sync` GEMV, ``mma_gemv.py`` (the engine took 3-19 % longer at
   2-8 rows, and was within 4 % at 12-16).
 * Everything else: the shared dequantizing engine (``pallas_kernels/mxfp8/wdequant.py``, prefill
@@ -32,7 +33,7 @@ def matmul_kernel(x, w_q, w_scale, w_scale_2, *, out_dtype=None, interpret=False
     s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
     if not plan_overrides:
         m = x2.shape[0]
-        for form in mma_kernel.gemv_order(m, n, gemv, mma_gemv):
+        for form in mma_kernel.gemv_order(m, n, k, gemv, mma_gemv):
             if form.supported(m, n, k):
                 y = form.gemv(x2, w_q, w_scale, s2, out_dtype=jnp.dtype(out_dtype), interpret=interpret)
                 return y.reshape(*lead, n)

@@ -140,14 +140,20 @@ def test_few_rows_on_many_weight_rows_run_the_mma_gemv(monkeypatch, gemv_spy):
         mma_gemv.gemv(x.astype(jnp.bfloat16), wq, ws, out_dtype=jnp.float32, interpret=True)
 
 
-@pytest.mark.parametrize("sms,mma", [(2, True), (4, False)])
-def test_one_row_of_a_large_weight_runs_the_mma_gemv(sms, mma, monkeypatch, gemv_spy):
-    """One W8A16 row goes to the mma GEMV where the weight has a 64-row item for every SM (here 3
-    items: for 2 SMs, not 4; MIN_N lowered to 64), else to the row GEMV; both give the oracle's result."""
+@pytest.mark.parametrize("n,k,sms,mma", [
+    (192, 1024, 2, True),   # 6 K tiles on the busiest SM either way, a 64-row item for every SM
+    (192, 1024, 4, False),  # 4 against the row GEMV's 3
+    (64, 1536, 2, True),    # 3 (a 32-row item of 3 tiles) against 4 (two 16-row items of 1.5 tiles)
+    (64, 1536, 4, False),   # 3 against 2
+])
+def test_one_row_runs_the_gemv_whose_busiest_sm_streams_less(n, k, sms, mma, monkeypatch, gemv_spy):
+    """One W8A16 row goes to the mma GEMV where its plan leaves the busiest SM fewer K tiles than
+    the row GEMV, or as many on a weight with a 64-row item for every SM (MIN_N lowered to 64),
+    else to the row GEMV; both give the oracle's result."""
     monkeypatch.setattr(mma_gemv, "MIN_N", 64)
-    mma_calls = gemv_spy(mma_gemv, sms, items=3, tiles=4, kernel=mma_kernel)
+    mma_calls = gemv_spy(mma_gemv, sms)
     row_calls = gemv_spy(gemv)
-    x, wq, ws = make(1, 192, 1024, seed=8)
+    x, wq, ws = make(1, n, k, seed=8)
     y = matmul_kernel(x, wq, ws, out_dtype=jnp.float32, interpret=True)
     assert (len(mma_calls), len(row_calls)) == ((1, 0) if mma else (0, 1))
     assert orc.rel_err(y, oracle_w8a16(x, wq, ws)) < 1e-6

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "quant"))
 import quant_oracle as orc  # noqa: E402
 
 from kk_jax.quant import nvfp4 as q  # noqa: E402
-from pallas_kernels import mma_gemv as mma_kernel  # noqa: E402
+from pallas_kernels import mma_gemv as mma_kernel, row_gemv  # noqa: E402
 from pallas_kernels.nvfp4 import gemv, matmul, matmul_kernel, matmul_reference, mma_gemv, operands  # noqa: E402
 
 
@@ -130,16 +130,32 @@ def test_mma_gemv_serves_one_to_sixteen_rows():
         mma_gemv.gemv(x, *w, out_dtype=jnp.float32, interpret=True)
 
 
-@pytest.mark.parametrize("sms,mma", [(2, True), (4, False)])
-def test_one_row_of_a_large_weight_runs_the_mma_gemv(sms, mma, gemv_spy):
-    """One row goes to the mma GEMV where the weight has a 64-row item for every SM (here 3 items:
-    for 2 SMs, not 4), else to the row GEMV; both give the oracle's result."""
-    mma_calls = gemv_spy(mma_gemv, sms, items=3, tiles=4, kernel=mma_kernel)
+@pytest.mark.parametrize("n,k,sms,mma", [
+    (192, 2048, 2, True),   # 6 K tiles on the busiest SM either way, a 64-row item for every SM
+    (192, 2048, 4, False),  # 3 either way, too few 64-row items
+    (64, 7168, 2, True),    # 7 (two 32-row items of 7 tiles) against the row GEMV's 8 (3.5 an item)
+    (64, 7168, 4, False),   # 7 against 4
+])
+def test_one_row_runs_the_gemv_whose_busiest_sm_streams_less(n, k, sms, mma, gemv_spy):
+    """One row goes to the mma GEMV where its plan leaves the busiest SM fewer K tiles than the
+    row GEMV, or as many on a weight with a 64-row item for every SM, else to the row GEMV; both
+    give the oracle's result."""
+    mma_calls = gemv_spy(mma_gemv, sms)
     row_calls = gemv_spy(gemv)
-    x, *w = make(1, 192, 2048, seed=9)
+    x, *w = make(1, n, k, seed=9)
     y = matmul_kernel(x, *w, out_dtype=jnp.float32, interpret=True)
     assert (len(mma_calls), len(row_calls)) == ((1, 0) if mma else (0, 1))
     assert orc.rel_err(y, oracle(x, *w)) < 1e-5
+
+
+@pytest.mark.parametrize("sms,tiles", [
+    (1, 24),    # 4 items of 3.5 tiles on 3 CTAs: 2 on the busiest, a partial tile counted whole
+    (2, 8),     # 4 CTAs of one item, 2 on each SM
+    (4, 4),     # one CTA of one item an SM
+])
+def test_row_gemv_counts_the_busiest_sms_tiles(sms, tiles, monkeypatch):
+    monkeypatch.setattr(row_gemv, "num_sms", lambda: sms)
+    assert row_gemv.busiest_tiles(gemv.FORMAT, 64, 7168) == tiles
 
 
 def test_bad_operands_are_named():
