@@ -13,9 +13,9 @@
 ModelOpt's ``input_scale`` (W4A4 activation scale) is not an input: activations stay bf16.
 backend="xla" is the jnp twin (``reference.py``); backend="pallas" the Mosaic GPU kernels
 (``kernel.py``: the CUDA-core GEMV of ``gemv.py`` for one activation row, the `mma.sync`
-GEMV of ``mma_gemv.py`` for 1-16 rows where it serves the shape (one row first there on weights
-of 64 rows an SM and more), the dequantizing tensor-core
-engine otherwise, on the GPU its warp-specialized form for more than 64 rows; interpret=True
+GEMV of ``mma_gemv.py`` for 1-16 rows where it serves the shape (one row first there where it
+is faster, `pallas_kernels.mma_gemv.takes_one_row`), the dequantizing tensor-core engine
+otherwise, on the GPU its warp-specialized form for more than 64 rows; interpret=True
 runs them on CPU). Chosen once per server.
 """
 
