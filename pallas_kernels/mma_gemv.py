@@ -14,9 +14,9 @@ than an SM issues while HBM streams the codes. Here a thread decodes each code o
   codes: 32 rows x 512 bytes or 64 x 256, their block scales (`Format.scales`) and x's [M, tile
   K] slice) stream through a ring of TMA slots in persistent CTAs, which take the items
   round-robin; where N has fewer items than the grid has CTAs, a cluster of CTAs shares each
-  item, one K range each (`_plan`), and its first CTA adds the others' sums after a cluster
-  barrier. A 32-row tile spans twice the K of a 64-row one, so the same bytes stream in half the
-  rows, which the H200 copies faster (`benchmarks/bench_stream.py`: 16 KiB tiles of 32 rows
+  item, one K range each (ranges of K tiles differing by one at most, `_plan`), and its first
+  CTA adds the others' sums after a cluster barrier. A 32-row tile spans twice the K of a 64-row
+  one, so the same bytes stream in half the rows, which the H200 copies faster (`benchmarks/bench_stream.py`: 16 KiB tiles of 32 rows
   streamed 12288x4096 and 4096x4096 bytes 10-12 % faster than tiles of 64 rows, RESULTS.md part
   48);
 * lane (g, c) = (lane // 4, lane % 4) of warp w takes R = rows / 8 rows of a tile, in row slots
@@ -95,6 +95,7 @@ _SPLIT_MIN_TILES = 6         # K tiles a CTA of a split streams, for the split t
 _CTAS_PER_SM = 3             # at most; fewer where shared memory runs out
 MAX_M = 16                   # tokens: two n8 column blocks (`Format.wide_max_splits` may refuse 9-16)
 _MIN_K = 1024                # codes along K a CTA of a split streams at least (`_plan`)
+_UNEVEN_MIN_TILES = 5       # K tiles the even plans' CTAs stream at least, for a split of unequal ranges (`_plan`)
 
 _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
@@ -435,6 +436,13 @@ class Plan(NamedTuple):
     stages: int     # ring slots per CTA (`_STAGES`, or `_STAGES_ALONE` for a CTA alone on its SM)
 
 
+def _k_range(kt: int, splits: int, member):
+    """(first K tile, K tiles) of cluster member ``member`` (traced i32) of ``splits`` sharing
+    ``kt`` tiles: the first kt % splits members take one tile more."""
+    base, extra = kt // splits, kt % splits
+    return member * base + jnp.minimum(member, extra), base + (member < extra).astype(jnp.int32)
+
+
 def _load(items: int, kt: int, per_sm: int, splits: int) -> tuple[int, int, int]:
     """CTAs on the busiest SM, items of the busiest CTA and K tiles of the busiest SM (bounds:
     ceil(CTAs / SMs) CTAs of ceil(items / clusters) items) for ``items`` of ``kt`` K tiles on
@@ -442,7 +450,7 @@ def _load(items: int, kt: int, per_sm: int, splits: int) -> tuple[int, int, int]
     clusters = min(items, num_sms() * per_sm // splits)
     per_cta = -(-items // clusters)
     resident = -(-clusters * splits // num_sms())
-    return resident, per_cta, resident * per_cta * (kt // splits)
+    return resident, per_cta, resident * per_cta * -(-kt // splits)
 
 
 def _plan(fmt: Format, n: int, k: int, m: int) -> Plan:
@@ -471,6 +479,14 @@ def _plan(fmt: Format, n: int, k: int, m: int) -> Plan:
     * the fewest splits where decoding bounds the tile (NVFP4: more CTAs an SM add merge work, not
       throughput), else the most (MXFP8: more CTAs an SM keep more bytes in flight).
 
+    Splits need not divide K's tiles (the first members take one tile more, `_k_range`) where the
+    weight has fewer items than the GPU has SMs and the even plans leave each CTA at least
+    _UNEVEN_MIN_TILES tiles: NVFP4 at 2-16 tokens 512x7168 6.6 -> 3.7-3.8 us (4 splits of 7
+    tiles, was none), 1024x7168 6.7 -> 5.1, 2048x2560 5.1 -> 4.6; MXFP8 512x5120 4.8 -> 3.7,
+    1024x7168 6.0 -> 5.6 (RESULTS.md part 52). Where the even plans already leave 3 tiles a CTA,
+    a finer uneven split lost 4-23 % (NVFP4 512x12288 8 splits against 4, 1024x6144 4 against
+    2, 1536x3072 2 against none), and on 192 items (6144x2560, 8-bit) 2 uneven splits lost 10 %.
+
     A CTA alone on its SM that streams more than _STAGES_ALONE tiles gets that many ring slots, not
     _STAGES (MXFP8, one CTA an SM: 4096x12288 at 16 tokens 19.9 us with 2 slots, 16.4 with 4,
     17.4 with 6; 4096x4096 at 8 tokens 7.8 with 2, 7.0 with 4, 7.8 with 8); NVFP4's 4 tiles an
@@ -491,9 +507,11 @@ def _plan(fmt: Format, n: int, k: int, m: int) -> Plan:
         slot = TILE_SIZE + math.prod(fmt.scales.slot(rows)) * jnp.dtype(fmt.scales.dtype).itemsize + xr * tk * 2
         items, kt = n // rows, k // tk
         smem = lambda s, stages: stages * slot + 4 * xr * rows * 4 + 4 + (s - 1) * xr * rows * 4   # ring, sums, parts
+        even = min(kt // s for s in (1, 2, 4, 8) if kt % s == 0 and (s == 1 or kt // s * tk >= _MIN_K))
+        uneven = items < num_sms() and even >= _UNEVEN_MIN_TILES
         for per_sm in range(_CTAS_PER_SM, 0, -1):
             for s in (1, 2, 4, 8):
-                if (kt % s == 0 and (s == 1 or (kt // s * tk >= _MIN_K and items * s <= num_sms() * per_sm
+                if ((kt % s == 0 or (uneven and kt >= s)) and (s == 1 or (kt // s * tk >= _MIN_K and items * s <= num_sms() * per_sm
                                                 and items <= max_active_clusters(s, per_sm)))
                         and (per_sm == 1 or per_sm * (smem(s, _STAGES) + CTA_SMEM_RESERVE) <= SMEM_PER_SM)):
                     resident, per_cta, busiest = _load(items, kt, per_sm, s)
@@ -530,7 +548,7 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
     nb = _blocks(m)
     xr = 8 * nb                                             # x rows staged
     tb, tk = tile_bytes(rows), fmt.tile_k(rows)
-    items, kts = n // rows, k // tk // splits
+    items, kt = n // rows, k // tk
     clusters = min(items, num_sms() * per_sm // splits)
     s2 = jnp.asarray(w_scale_2, jnp.float32).reshape(1)
     emulated = interpret and splits > 1              # members' sums added by XLA
@@ -538,10 +556,11 @@ def gemv(fmt, x, w_bytes, scales, w_scale_2, *, out_dtype, interpret=False):
         part_ref = refs[0] if emulated else None
         (x_smem, x_raw), (w_smem, w_raw), s_smem, red_smem, s2_smem, bar, *merge = refs[emulated:]
         cl, member = lax.axis_index("c"), lax.axis_index("s")
+        k0, kts = _k_range(kt, splits, member)
         tiles = lax.div(items - cl + clusters - 1, clusters) * kts   # items cl, cl + clusters, ... x K tiles
 
         def where(i):
-            return cl + lax.div(i, kts) * clusters, member * kts + lax.rem(i, kts)
+            return cl + lax.div(i, kts) * clusters, k0 + lax.rem(i, kts)
 
         def issue(i, slot):
             item, kc = where(i)

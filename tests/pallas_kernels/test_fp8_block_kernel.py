@@ -95,6 +95,7 @@ def test_one_row_runs_the_gemv(n, k, sms, gemv_spy):
 
 @pytest.mark.parametrize("m,n,k,sms,plan", [
     (2, 64, 2048, None, (32, 3, 2, 2)),    # two 32-row items of 4 tiles in one 128-row block, each over a cluster of 2
+    (16, 64, 2560, None, (32, 2, 2, 2)),   # 5 tiles over clusters of 2: 3 and 2 tiles, two column blocks
     (5, 448, 1536, 2, (64, 2, 1, 2)),      # 7 64-row items (the last half a 128-row block) over 4 CTAs, 6 tiles each
     (8, 448, 2048, 1, (32, 2, 1, 2)),      # 14 32-row items, 7 a CTA: their 4 tiles each refill the ring across items
     (12, 128, 1536, None, (32, 3, 1, 2)),  # two 8-token column blocks, the second partly filled
@@ -195,7 +196,7 @@ def test_lowers_for_hopper(m, act_quant):
 @pytest.mark.parametrize("act_quant", [False, True])
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 2048, 7168), (1, 12288, 4096), (300, 512, 1024), (1100, 384, 640),
                                    (1100, 2560, 640), (2, 12288, 4096), (8, 7168, 2048), (9, 24576, 4096),
-                                   (16, 10240, 4096), (5, 4096, 4096), (12, 4096, 12288)])
+                                   (16, 10240, 4096), (5, 4096, 4096), (12, 4096, 12288), (8, 6144, 2560)])
 def test_compiled_kernel_matches_oracle(m, n, k, act_quant):
     """W8A16: one row on the GEMV (on 12288 rows the mma GEMV); on the mma GEMV 2-8 rows from 4096
     weight rows and 9-16 from 7168 (32- and 64-row items, K splits, two column blocks), 12 rows of

@@ -86,6 +86,7 @@ def test_one_row_past_the_gemvs_k_runs_the_mma_gemv(gemv_spy):
 @pytest.mark.parametrize("m,n,k,sms,plan", [
     (2, 64, 2048, None, (32, 3, 2, 2)),    # two 32-row items of 4 K tiles, each over a cluster of 2
     (6, 128, 8192, None, (32, 3, 8, 2)),   # 4 items of 16 tiles: clusters of 8, 2 tiles each
+    (8, 64, 7168, None, (32, 3, 4, 2)),    # 14 tiles over clusters of 4: 4, 4, 3 and 3 tiles
     (3, 64, 1536, None, (32, 3, 1, 2)),    # 3 tiles: no even split
     (3, 128, 3072, 4, (32, 3, 1, 4)),   # 4 items of 6 tiles, 4 SMs: 1 or 2 splits load an SM alike; 3 tiles a CTA
                                          # are too few to split, so one CTA an SM with a 4-slot ring that refills
@@ -307,7 +308,8 @@ def test_compiled_wide_scales_match_oracle(m, n, k):
                                    (300, 512, 1024), (1100, 384, 640),
                                    (1100, 2560, 640), (2, 4096, 4096), (8, 4096, 12288), (5, 2048, 4096),
                                    (3, 12288, 4096), (4, 256, 8192), (8, 6144, 4096),
-                                   (16, 4096, 4096), (12, 12288, 4096), (9, 4096, 12288), (16, 2048, 4096)])
+                                   (16, 4096, 4096), (12, 12288, 4096), (9, 4096, 12288), (16, 2048, 4096),
+                                   (8, 1024, 7168), (2, 6144, 2560)])
 def test_compiled_kernel_matches_oracle(m, n, k):
     """M = 2-16 on the mma GEMV (K split over clusters of 2, 4 and 8 CTAs; 9-16 on two column
     blocks), but 16 x 2048 x 4096 on the engine (only 2 CTAs of that plan fit an SM)."""

@@ -96,6 +96,7 @@ def test_gemv_serves_one_row_of_whole_boxes():
 @pytest.mark.parametrize("m,n,k,sms,plan", [
     (2, 64, 4096, None, (32, 2, 4, 2)), # two 32-row items of 4 K tiles, each over a cluster of 4
     (5, 128, 16384, None, (32, 2, 8, 2)),  # 4 items of 16 tiles: clusters of 8, 2 tiles each
+    (2, 64, 5120, None, (32, 2, 4, 2)),  # 5 tiles over clusters of 4: 2, 1, 1 and 1 tiles
     (4, 64, 1024, None, (32, 3, 1, 2)), # one tile an item: too little K to split
     (3, 128, 6144, 4, (32, 3, 1, 4)),   # 4 items of 6 tiles, 4 SMs: 1 or 2 splits load an SM alike; 3 tiles a CTA
                                          # are too few to split, so one CTA an SM with a 4-slot ring that refills
@@ -183,7 +184,8 @@ def test_lowers_for_hopper(m, k):
                                    (300, 512, 1024), (2, 4096, 4096), (8, 4096, 12288), (5, 2048, 4096),
                                    (3, 12288, 4096), (1, 12288, 4096), (4, 256, 16384),
                                    (16, 4096, 4096), (12, 12288, 4096), (9, 4096, 12288),
-                                   (64, 2048, 4096), (40, 512, 384), (24, 4096, 12288), (130, 256, 640)])
+                                   (64, 2048, 4096), (40, 512, 384), (24, 4096, 12288), (130, 256, 640),
+                                   (8, 1024, 7168), (2, 2048, 5120)])
 def test_compiled_kernel_matches_oracle(m, n, k):
     """M = 1 runs the GEMV (K = 1024: a partial last tile; on 12288 rows the mma GEMV); M = 2-16
     the mma GEMV (K split over clusters of 2, 4 and 8 CTAs; 9-16 on two column blocks); 17-64 rows the
