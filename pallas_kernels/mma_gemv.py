@@ -16,9 +16,9 @@ than an SM issues while HBM streams the codes. Here a thread decodes each code o
   round-robin; where N has fewer items than the grid has CTAs, a cluster of CTAs shares each
   item, one K range each (ranges of K tiles differing by one at most, `_plan`), and its first
   CTA adds the others' sums after a cluster barrier. A 32-row tile spans twice the K of a 64-row
-  one, so the same bytes stream in half the rows, which the H200 copies faster (`benchmarks/bench_stream.py`: 16 KiB tiles of 32 rows
-  streamed 12288x4096 and 4096x4096 bytes 10-12 % faster than tiles of 64 rows, RESULTS.md part
-  48);
+  one, so the same bytes stream in half the rows, which the H200 copies faster
+  (`benchmarks/bench_stream.py`: 16 KiB tiles of 32 rows streamed 12288x4096 and 4096x4096 bytes
+  10-12 % faster than tiles of 64 rows, RESULTS.md part 48);
 * lane (g, c) = (lane // 4, lane % 4) of warp w takes R = rows / 8 rows of a tile, in row slots
   j < R that hold row R g + j (or 8g + (j XOR 4) for odd g where R = 8, `_row_slot`), and of
   each row the 16 bytes from 64h + 16c for h = U w + u, u < U = 8 / R (a warp: its quarter of
@@ -438,8 +438,11 @@ class Plan(NamedTuple):
 
 def _k_range(kt: int, splits: int, member):
     """(first K tile, K tiles) of cluster member ``member`` (traced i32) of ``splits`` sharing
-    ``kt`` tiles: the first kt % splits members take one tile more."""
-    base, extra = kt // splits, kt % splits
+    ``kt`` tiles: the first kt % splits members take one tile more. An even split keeps a static
+    count, so its per-tile index arithmetic divides by a constant."""
+    base, extra = divmod(kt, splits)
+    if not extra:
+        return member * base, base
     return member * base + jnp.minimum(member, extra), base + (member < extra).astype(jnp.int32)
 
 
