@@ -96,6 +96,7 @@ _CTAS_PER_SM = 3             # at most; fewer where shared memory runs out
 MAX_M = 16                   # tokens: two n8 column blocks (`Format.wide_max_splits` may refuse 9-16)
 _MIN_K = 1024                # codes along K a CTA of a split streams at least (`_plan`)
 _UNEVEN_MIN_TILES = 5       # K tiles the even plans' CTAs stream at least, for a split of unequal ranges (`_plan`)
+_OVERFLOW_TILES = 2         # K tiles that clusters past the GPU's places cost the busiest SM (`_load`)
 
 _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
@@ -188,6 +189,15 @@ def supported(fmt: Format, m: int, n: int, k: int) -> bool:
     where N and K allow them too, `_plan`)."""
     return (1 <= m <= MAX_M and n % 64 == 0 and k % fmt.k_multiple(64) == 0
             and (m <= 8 or _plan(fmt, n, k, m).splits <= fmt.wide_max_splits))
+
+
+def crowded(fmt: Format, n: int, k: int, m: int) -> bool:
+    """Whether the plan of M rows on an N x K weight (`supported`) has clusters past the GPU's
+    places for its even spread of CTAs, so that some SMs run one CTA more (`_load`)."""
+    p = _plan(fmt, n, k, m)
+    items = n // p.rows
+    clusters = min(items, num_sms() * p.per_sm // p.splits)
+    return _load(items, k // fmt.tile_k(p.rows), p.per_sm, p.splits)[0] > -(-clusters * p.splits // num_sms())
 
 
 def takes_one_row(fmt: Format, row_fmt: row_gemv.Format, n: int, k: int) -> bool:
@@ -449,11 +459,23 @@ def _k_range(kt: int, splits: int, member):
 def _load(items: int, kt: int, per_sm: int, splits: int) -> tuple[int, int, int]:
     """CTAs on the busiest SM, items of the busiest CTA and K tiles of the busiest SM (bounds:
     ceil(CTAs / SMs) CTAs of ceil(items / clusters) items) for ``items`` of ``kt`` K tiles on
-    clusters of ``splits`` CTAs, ``per_sm`` of them an SM."""
+    clusters of ``splits`` CTAs, ``per_sm`` of them an SM.
+
+    A cluster's CTAs share a GPC, so clusters past what that many CTAs an SM hold
+    (`max_active_clusters`) put one CTA more on some SMs: the H200 holds 30 clusters of 4 at one
+    CTA an SM. Such an overflow costs the busiest SM _OVERFLOW_TILES tiles, not a second CTA's
+    whole range (H200, 32 clusters of 4, 32-row items, RESULTS.md part 53): NVFP4 at one row on
+    1024x4096 and 1024x5120 (1-2 tiles a CTA) ran 3.95 / 5.13 us against 3.31 / 4.27 on the row
+    GEMV, which streams 2 / 3 tiles, while at 1024x12288 and 1024x16384 (3-4 tiles a CTA) it ran
+    6.58 / 7.97 against 7.12 / 9.03 for the row GEMV's 6 / 8, and MXFP8 1024x5120 and 1024x7168
+    at 2-8 tokens ran 4.85-5.68 us against 5.02-6.12 for 2 splits of 5-7 tiles alone on their
+    SMs."""
     clusters = min(items, num_sms() * per_sm // splits)
     per_cta = -(-items // clusters)
-    resident = -(-clusters * splits // num_sms())
-    return resident, per_cta, resident * per_cta * -(-kt // splits)
+    base = resident = -(-clusters * splits // num_sms())
+    while splits > 1 and resident < per_sm and clusters > max_active_clusters(splits, resident):
+        resident += 1
+    return resident, per_cta, base * per_cta * -(-kt // splits) + _OVERFLOW_TILES * (resident > base)
 
 
 def _plan(fmt: Format, n: int, k: int, m: int) -> Plan:

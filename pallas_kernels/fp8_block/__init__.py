@@ -14,7 +14,7 @@ release's reference numerics and the fast prefill path (fp8 wgmma, DeepGEMM-styl
 it changes numerics against W8A16, so it is an explicit choice, never switched per call.
 backend="xla" is the jnp twin (``reference.py``); backend="pallas" the Mosaic GPU kernels
 (``kernel.py``: the CUDA-core GEMV of ``gemv.py`` for one W8A16 activation row, the tensor-core
-GEMV of ``mma_gemv.py`` for 1-16 W8A16 rows of large weights (one row first on the
+GEMV of ``mma_gemv.py`` for 1-16 W8A16 rows (one row first on the
 CUDA-core GEMV, except where the tensor-core one is faster,
 `pallas_kernels.mma_gemv.takes_one_row`), and ``w8a8_ws.py`` for W8A8 calls
 of more than 64 tokens on the GPU, their activations quantized by ``act_quant.py``;

@@ -1,6 +1,6 @@
-"""Block FP8 (W8A16) on the mma GEMV for 1-16 activation rows (`pallas_kernels/mma_gemv.py`) of
-weights with at least `MIN_N` rows (9-16 rows where the plan splits K at most twice): one e4m3
-code a byte, one fp32 scale per 128x128 block.
+"""Block FP8 (W8A16) on the mma GEMV for 1-16 activation rows (`pallas_kernels/mma_gemv.py`; 9-16
+rows where the plan splits K at most twice): one e4m3 code a byte, one fp32 scale per 128x128
+block.
 
 * operands: a word's 4 codes become fp32 (`row_gemv.decode_e4m3_word`, exact), each is
   multiplied by its block's fp32 scale and rounded to bf16 (`cvt.rn.bf16x2.f32`), operand i =
@@ -71,16 +71,14 @@ FORMAT = mma_gemv.Format(name="fp8_block_mma_gemv", codes_per_byte=1, block=BLOC
                          k_step=BLOCK * _BOX)
 
 
-# Weight rows from which 2-16 activation rows take this GEMV rather than the wgmma engine. On
-# the H200, at 2-8 rows it ran 1.07-1.38x the engine from 7168 rows (7168x2048, 10240, 12288 and
-# 24576 x 4096, RESULTS.md part 31) and, with 32-row items, 1.10-1.17x on 4096x4096, 6144x4096
-# and 4096x12288 (part 49); at 16 rows 1.0-1.28x from 7168 rows and, with part 50's plans,
-# 1.06-1.13x on 4096x4096, 6144x4096 and 4096x12288.
-MIN_N = 4096
-
-
 def supported(m: int, n: int, k: int) -> bool:
-    return n >= MIN_N and mma_gemv.supported(FORMAT, m, n, k)
+    """`mma_gemv.supported`; 2-16 rows stay on the wgmma engine where the plan crowds some SMs
+    (`mma_gemv.crowded`). One H200, public matmul, device us, engine against this GEMV
+    (RESULTS.md part 53): 1024x7168 at 4 / 8 rows 5.27 / 5.53 against 5.79 / 5.88 (32 clusters of
+    4 where 30 fit one CTA an SM), 1024x9728 6.29 / 6.38 against 6.70 / 6.97; where no SM is
+    crowded, the GEMV ran 1.05-1.54x the engine at 4-8 rows on weights of 576-3072 rows (576x4096
+    4.12 / 4.22 against 3.32 / 3.25, 3072x1536 at 8 rows 5.20 against 3.37)."""
+    return mma_gemv.supported(FORMAT, m, n, k) and (m == 1 or not mma_gemv.crowded(FORMAT, n, k, m))
 
 
 def gemv(x, w_q, w_scale_inv, *, out_dtype, interpret=False):

@@ -118,16 +118,14 @@ def test_mma_gemv_matches_oracle(m, n, k, sms, plan, gemv_spy):
     assert yb.dtype == jnp.bfloat16 and orc.rel_err(yb, oracle_w8a16(x, wq, ws)) < 4e-3
 
 
-def test_few_rows_on_many_weight_rows_run_the_mma_gemv(monkeypatch, gemv_spy):
-    """2-16 W8A16 rows go to the mma GEMV from MIN_N weight rows (here lowered to 64), 9-16 where
-    K splits at most 2 ways; W8A8 keeps its kernel; K a multiple of 512 (a TMA box of 4 block
-    scales), N of 64."""
+def test_few_rows_run_the_mma_gemv(gemv_spy):
+    """2-16 W8A16 rows go to the mma GEMV, 9-16 where K splits at most 2 ways; W8A8 keeps its
+    kernel; K a multiple of 512 (a TMA box of 4 block scales), N of 64."""
     assert mma_gemv.supported(2, 4096, 2048) and mma_gemv.supported(8, 6144, 4096)
-    assert not mma_gemv.supported(8, 2048, 4096) and mma_gemv.supported(16, 4096, 4096)
+    assert mma_gemv.supported(8, 576, 4096) and mma_gemv.supported(16, 4096, 4096)
     assert mma_gemv.supported(16, 4096, 12288) and not mma_gemv.supported(16, 12288, 4096 + 256)
     assert mma_gemv.supported(1, 12288, 4096) and not mma_gemv.supported(17, 12288, 4096)
-    monkeypatch.setattr(mma_gemv, "MIN_N", 64)
-    assert not mma_gemv.supported(16, 2048, 4096) and mma_gemv.supported(8, 2048, 4096)
+    assert not mma_gemv.supported(16, 1024, 7168) and not mma_gemv.supported(8, 576 + 32, 4096)
     calls = gemv_spy(mma_gemv)
     x, wq, ws = make(4, 128, 1024, seed=4)
     y = matmul_kernel(x, wq, ws, out_dtype=jnp.float32, interpret=True)
@@ -147,11 +145,10 @@ def test_few_rows_on_many_weight_rows_run_the_mma_gemv(monkeypatch, gemv_spy):
     (64, 1536, 2, True),    # 3 (a 32-row item of 3 tiles) against 4 (two 16-row items of 1.5 tiles)
     (64, 1536, 4, False),   # 3 against 2
 ])
-def test_one_row_runs_the_gemv_whose_busiest_sm_streams_less(n, k, sms, mma, monkeypatch, gemv_spy):
+def test_one_row_runs_the_gemv_whose_busiest_sm_streams_less(n, k, sms, mma, gemv_spy):
     """One W8A16 row goes to the mma GEMV where its plan leaves the busiest SM fewer K tiles than
-    the row GEMV, or as many on a weight with a 64-row item for every SM (MIN_N lowered to 64),
-    else to the row GEMV; both give the oracle's result."""
-    monkeypatch.setattr(mma_gemv, "MIN_N", 64)
+    the row GEMV, or as many on a weight with a 64-row item for every SM, else to the row GEMV;
+    both give the oracle's result."""
     mma_calls = gemv_spy(mma_gemv, sms)
     row_calls = gemv_spy(gemv)
     x, wq, ws = make(1, n, k, seed=8)

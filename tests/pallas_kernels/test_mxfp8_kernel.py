@@ -150,17 +150,28 @@ def test_nine_to_sixteen_rows_split_k_at_most_twice():
 def test_plan_keeps_clusters_the_gpu_can_place(monkeypatch):
     """Clusters of 4 that need more places than the GPU's clusters offer are not taken (the
     H200's counts: 92 clusters of 4 at 3 CTAs an SM; 3072x4096 has 96 32-row items, which then
-    take one CTA each); where they fit (2048x4096: 64) the plan keeps them."""
-    from pallas_kernels.nvfp4 import mma_gemv as nvfp4_mma
+    take one CTA each). Clusters past what fewer CTAs an SM hold share SMs: 2048x4096's 64
+    clusters of 4 put a third CTA on some SMs (62 fit at two), so 2 splits, one CTA an SM, run
+    instead; NVFP4 2048x9728's 32 clusters of 4 keep 2 ring slots, so that the two past the 30
+    that one CTA an SM holds share SMs rather than wait for the others."""
+    from pallas_kernels.nvfp4 import gemv as nvfp4_row, mma_gemv as nvfp4_mma
 
     h200 = {(4, 3): 92, (8, 3): 45, (4, 2): 62, (8, 2): 30, (4, 1): 30, (8, 1): 15}
     monkeypatch.setattr(mma_kernel, "num_sms", lambda: 132)
     monkeypatch.setattr(mma_kernel, "max_active_clusters", lambda s, per_sm: h200.get((s, per_sm), 132 * per_sm // s))
     assert mma_kernel._plan(mma_gemv.FORMAT, 3072, 4096, 8) == (32, 3, 1, 4)
-    assert mma_kernel._plan(mma_gemv.FORMAT, 2048, 4096, 8) == (32, 3, 4, 2)
+    assert mma_kernel._plan(mma_gemv.FORMAT, 2048, 4096, 8) == (32, 3, 2, 2)
     assert mma_kernel._plan(nvfp4_mma.FORMAT, 4096, 4096, 8) == (32, 3, 1, 2)   # 4 tiles: 2 slots
+    assert mma_kernel._plan(nvfp4_mma.FORMAT, 2048, 9728, 8) == (64, 3, 4, 2)
+    assert mma_kernel._load(32, 4, 2, 4) == (2, 1, 1 + 2)       # 2 of 32 clusters share SMs
+    assert mma_kernel._load(16, 4, 2, 4) == (1, 1, 1)
+    assert mma_kernel._load(64, 8, 3, 4) == (3, 1, 2 * 2 + 2)   # 64 clusters of 4: 62 fit at two an SM
+    assert not mma_kernel.takes_one_row(nvfp4_mma.FORMAT, nvfp4_row.FORMAT, 1024, 4096)   # 1 + 2 tiles against 2
+    assert mma_kernel.takes_one_row(nvfp4_mma.FORMAT, nvfp4_row.FORMAT, 512, 4096)        # 1 against 2
     monkeypatch.setattr(mma_kernel, "max_active_clusters", lambda s, per_sm: 132 * per_sm // s)
     assert mma_kernel._plan(mma_gemv.FORMAT, 3072, 4096, 8) == (32, 3, 4, 2)
+    assert mma_kernel._plan(mma_gemv.FORMAT, 2048, 4096, 8) == (32, 3, 4, 2)
+    assert mma_kernel._load(32, 4, 2, 4) == (1, 1, 1)
 
 
 def test_plan_picks_the_item_rows(monkeypatch):
