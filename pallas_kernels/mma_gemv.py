@@ -195,9 +195,8 @@ def crowded(fmt: Format, n: int, k: int, m: int) -> bool:
     """Whether the plan of M rows on an N x K weight (`supported`) has clusters past the GPU's
     places for its even spread of CTAs, so that some SMs run one CTA more (`_load`)."""
     p = _plan(fmt, n, k, m)
-    items = n // p.rows
-    clusters = min(items, num_sms() * p.per_sm // p.splits)
-    return _load(items, k // fmt.tile_k(p.rows), p.per_sm, p.splits)[0] > -(-clusters * p.splits // num_sms())
+    _, even, resident = _residency(n // p.rows, p.per_sm, p.splits)
+    return resident > even
 
 
 def takes_one_row(fmt: Format, row_fmt: row_gemv.Format, n: int, k: int) -> bool:
@@ -470,12 +469,19 @@ def _load(items: int, kt: int, per_sm: int, splits: int) -> tuple[int, int, int]
     6.58 / 7.97 against 7.12 / 9.03 for the row GEMV's 6 / 8, and MXFP8 1024x5120 and 1024x7168
     at 2-8 tokens ran 4.85-5.68 us against 5.02-6.12 for 2 splits of 5-7 tiles alone on their
     SMs."""
-    clusters = min(items, num_sms() * per_sm // splits)
+    clusters, even, resident = _residency(items, per_sm, splits)
     per_cta = -(-items // clusters)
-    base = resident = -(-clusters * splits // num_sms())
+    return resident, per_cta, even * per_cta * -(-kt // splits) + _OVERFLOW_TILES * (resident > even)
+
+
+def _residency(items: int, per_sm: int, splits: int) -> tuple[int, int, int]:
+    """Clusters of the grid, CTAs on the busiest SM of an even spread, and CTAs on the busiest SM
+    where the GPU places the clusters (`_load`)."""
+    clusters = min(items, num_sms() * per_sm // splits)
+    even = resident = -(-clusters * splits // num_sms())
     while splits > 1 and resident < per_sm and clusters > max_active_clusters(splits, resident):
         resident += 1
-    return resident, per_cta, base * per_cta * -(-kt // splits) + _OVERFLOW_TILES * (resident > base)
+    return clusters, even, resident
 
 
 def _plan(fmt: Format, n: int, k: int, m: int) -> Plan:

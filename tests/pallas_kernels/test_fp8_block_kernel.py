@@ -193,10 +193,11 @@ def test_lowers_for_hopper(m, act_quant):
 @pytest.mark.parametrize("act_quant", [False, True])
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 2048, 7168), (1, 12288, 4096), (300, 512, 1024), (1100, 384, 640),
                                    (1100, 2560, 640), (2, 12288, 4096), (8, 7168, 2048), (9, 24576, 4096),
-                                   (16, 10240, 4096), (5, 4096, 4096), (12, 4096, 12288), (8, 6144, 2560)])
+                                   (16, 10240, 4096), (5, 4096, 4096), (12, 4096, 12288), (8, 6144, 2560),
+                                   (1, 576, 4096), (8, 576, 4096), (8, 3072, 1536)])
 def test_compiled_kernel_matches_oracle(m, n, k, act_quant):
-    """W8A16: one row on the GEMV (on 12288 rows the mma GEMV); on the mma GEMV 2-8 rows from 4096
-    weight rows and 9-16 from 7168 (32- and 64-row items, K splits, two column blocks), 12 rows of
+    """W8A16: one row on the GEMV (on 12288 and 576 rows the mma GEMV); on the mma GEMV 2-16 rows
+    (32- and 64-row items, K splits, two column blocks; 576 rows: GLM-5.3's MLA kv_a), 12 rows of
     4096 on the engine; the prefill forms. W8A8: its kernels."""
     x, wq, ws = make(m, n, k, seed=5)
     y = matmul(x, wq, ws, act_quant=act_quant, backend="pallas", out_dtype=jnp.float32)
