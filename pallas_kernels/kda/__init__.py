@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ._common import KDACheckpoints, check_chunk_args, check_step_args
+from ._common import KDACheckpoints, as_array, check_chunk_args, check_commit_args, check_step_args
 from .reference import (
   CHUNK,
   chunk_kda_reference,
@@ -73,8 +73,9 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
               backend="pallas", interpret=False):
   """Chunked KDA prefill over batched or packed (cu_seqlens) sequences; see module doc."""
   _check_backend(backend)
-  check_chunk_args(q, k, v, g, beta, initial_state, cu_seqlens, checkpoint_every, CHUNK)
-  if backend == "xla":
+  cu_seqlens = as_array(cu_seqlens)
+  t = check_chunk_args(q, k, v, g, beta, initial_state, cu_seqlens, checkpoint_every, CHUNK)[1]
+  if backend == "xla" or t == 0:          # no tokens: no kernel to run, the same empty result
     return chunk_kda_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                cu_seqlens=cu_seqlens, output_final_state=output_final_state,
                                use_qk_l2norm=use_qk_l2norm, checkpoint_every=checkpoint_every)
@@ -89,6 +90,7 @@ def kda_decode(q, k, v, g, beta, state_pool, slots, *, scale=None, use_qk_l2norm
                reset=None, backend="pallas", interpret=False):
   """One decode token per row, state read from and written to `state_pool[slots]`."""
   _check_backend(backend)
+  slots, reset = as_array(slots), as_array(reset)
   check_step_args(q, k, v, g, beta, state_pool, slots, reset, tokens_axis=False)
   if backend == "xla":
     return kda_decode_reference(q, k, v, g, beta, state_pool, slots, scale=scale,
@@ -102,6 +104,7 @@ def kda_verify(q, k, v, g, beta, state_pool, slots, *, scale=None, use_qk_l2norm
                reset=None, backend="pallas", interpret=False):
   """Ts speculative tokens per row from the slots' states; returns (o, per-token states)."""
   _check_backend(backend)
+  slots, reset = as_array(slots), as_array(reset)
   check_step_args(q, k, v, g, beta, state_pool, slots, reset, tokens_axis=True)
   if backend == "xla":
     return kda_verify_reference(q, k, v, g, beta, state_pool, slots, scale=scale,
@@ -117,15 +120,12 @@ def kda_commit(state_pool, slots, states, num_accepted):
   state_pool [S,HV,K,V]; slots [N]; states [N,Ts,HV,K,V] from kda_verify; num_accepted [N]
   int in [0, Ts], counting the window's first token t0 (n_acc accepted drafts: n_acc + 1).
   Row n gets states[n, num_accepted[n] - 1]; 0 keeps the slot (padding rows).
-  Padding rows use slot 0 (dummy). Pure scatter, identical for both backends.
+  Padding rows use slot 0 (dummy). Pure scatter, identical for both backends. Slots and
+  num_accepted are range-checked like decode's slots (when concrete).
   """
+  slots, num_accepted = as_array(slots), as_array(num_accepted)
+  check_commit_args(state_pool, slots, states, num_accepted)
   n, ts = states.shape[:2]
-  if states.ndim != 5 or states.shape[2:] != state_pool.shape[1:]:
-    raise ValueError(f"states must be [N, Ts, {', '.join(map(str, state_pool.shape[1:]))}], "
-                     f"got {states.shape}")
-  if slots.shape != (n,) or num_accepted.shape != (n,):
-    raise ValueError(f"slots and num_accepted must be [N={n}], got {slots.shape} and "
-                     f"{num_accepted.shape}")
   idx = jnp.clip(num_accepted - 1, 0, ts - 1)
   new = states[jnp.arange(n), idx]
   new = jnp.where((num_accepted > 0)[:, None, None, None], new, state_pool[slots])
@@ -146,8 +146,8 @@ def kda_gate(f, A_log, dt_bias, lower_bound=-5.0, *, backend="pallas"):
   hv, kd = f.shape[-2:]
   if A_log.shape != (hv,):
     raise ValueError(f"A_log must be [HV={hv}], got {A_log.shape}")
-  if dt_bias.size != hv * kd:
-    raise ValueError(f"dt_bias must hold HV*K={hv * kd} values, got shape {dt_bias.shape}")
+  if dt_bias.shape not in ((hv * kd,), (hv, kd)):
+    raise ValueError(f"dt_bias must be [HV*K={hv * kd}] or [HV={hv}, K={kd}], got {dt_bias.shape}")
   if lower_bound is not None and not lower_bound < 0:
     raise ValueError(f"lower_bound must be negative (or None), got {lower_bound}")
   return kda_gate_reference(f, A_log, dt_bias, lower_bound)

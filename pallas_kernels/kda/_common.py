@@ -47,6 +47,59 @@ def concrete(x):
     return None
 
 
+def as_array(x):
+  """x as an array: a Python list or tuple (of ints or bools) becomes a jax array, anything
+  else (arrays, None) is returned as it is."""
+  return jnp.asarray(x) if isinstance(x, (list, tuple)) else x
+
+
+def check_slots(slots, n: int, s: int) -> None:
+  """slots: an integer [N] array; when concrete, every value in [0, S) and no real (non-zero)
+  slot shared by two rows (slot 0 is the dummy that padding rows share)."""
+  if slots.shape != (n,) or not jnp.issubdtype(slots.dtype, jnp.integer):
+    raise ValueError(f"slots must be an integer [N={n}] array, got {slots.shape} {slots.dtype}")
+  sl = concrete(slots)
+  if sl is not None:
+    if np.any(sl < 0) or np.any(sl >= s):
+      raise ValueError(f"slots must lie in [0, S={s}); got {sl.tolist()} "
+                       "(padding rows use the dummy slot 0, never -1)")
+    real = sl[sl != 0]
+    if len(np.unique(real)) != len(real):
+      raise ValueError(f"two rows share a real (non-zero) slot: {sl.tolist()}")
+
+
+def check_pool(state_pool, tail: tuple[int, int, int] | None = None) -> int:
+  """state_pool: fp32 [S, HV, K, V] (``tail`` = (HV, K, V) when known) with S >= 2; returns S."""
+  if state_pool.ndim != 4 or (tail is not None and state_pool.shape[1:] != tail):
+    want = "[S, HV, K, V]" if tail is None else f"[S, {tail[0]}, {tail[1]}, {tail[2]}]"
+    raise ValueError(f"state_pool must be {want}, got {state_pool.shape}")
+  if state_pool.dtype != jnp.float32:
+    raise ValueError(f"state_pool must be float32 (recurrent state math is fp32), "
+                     f"got {state_pool.dtype}")
+  if state_pool.shape[0] < 2:
+    raise ValueError(f"state_pool needs slot 0 (dummy) plus at least one real slot, "
+                     f"got S={state_pool.shape[0]}")
+  return state_pool.shape[0]
+
+
+def check_commit_args(state_pool, slots, states, num_accepted) -> None:
+  """Validates kda_commit's arguments: states [N, Ts, HV, K, V] matching the pool, slots as for
+  decode, num_accepted an integer [N] array, each value in [0, Ts] when concrete."""
+  s = check_pool(state_pool)
+  if states.ndim != 5 or states.shape[2:] != state_pool.shape[1:]:
+    raise ValueError(f"states must be [N, Ts, {', '.join(map(str, state_pool.shape[1:]))}], "
+                     f"got {states.shape}")
+  n, ts = states.shape[:2]
+  check_slots(slots, n, s)
+  if num_accepted.shape != (n,) or not jnp.issubdtype(num_accepted.dtype, jnp.integer):
+    raise ValueError(f"num_accepted must be an integer [N={n}] array, got {num_accepted.shape} "
+                     f"{num_accepted.dtype}")
+  acc = concrete(num_accepted)
+  if acc is not None and (np.any(acc < 0) or np.any(acc > ts)):
+    raise ValueError(f"num_accepted must lie in [0, Ts={ts}] (it counts the window's first "
+                     f"token), got {acc.tolist()}")
+
+
 def check_chunk_args(q, k, v, g, beta, initial_state, cu_seqlens, checkpoint_every,
                      chunk_size):
   """Validates chunk_kda's arguments; returns (B, T, H, HV, K, V, N)."""
@@ -118,27 +171,10 @@ def check_step_args(q, k, v, g, beta, state_pool, slots, reset, *, tokens_axis):
     raise ValueError(f"g must be {form}HV, K] = {q.shape[:lead] + (hv, kd)}, got {g.shape}")
   if beta.shape != q.shape[:lead] + (hv,):
     raise ValueError(f"beta must be {form}HV] = {q.shape[:lead] + (hv,)}, got {beta.shape}")
-  if state_pool.ndim != 4 or state_pool.shape[1:] != (hv, kd, vd):
-    raise ValueError(f"state_pool must be [S, HV, K, V] = [S, {hv}, {kd}, {vd}], "
-                     f"got {state_pool.shape}")
-  if state_pool.dtype != jnp.float32:
-    raise ValueError(f"state_pool must be float32 (recurrent state math is fp32), "
-                     f"got {state_pool.dtype}")
-  s = state_pool.shape[0]
-  if s < 2:
-    raise ValueError(f"state_pool needs slot 0 (dummy) plus at least one real slot, got S={s}")
-  if slots.shape != (n,) or not jnp.issubdtype(slots.dtype, jnp.integer):
-    raise ValueError(f"slots must be an integer [N={n}] array, got {slots.shape} {slots.dtype}")
-  if reset is not None and reset.shape != (n,):
-    raise ValueError(f"reset must be a bool [N={n}] array, got {reset.shape}")
-  sl = concrete(slots)
-  if sl is not None:
-    if np.any(sl < 0) or np.any(sl >= s):
-      raise ValueError(f"slots must lie in [0, S={s}); got {sl.tolist()} "
-                       "(padding rows use the dummy slot 0, never -1)")
-    real = sl[sl != 0]
-    if len(np.unique(real)) != len(real):
-      raise ValueError(f"two rows share a real (non-zero) slot: {sl.tolist()}")
+  s = check_pool(state_pool, (hv, kd, vd))
+  check_slots(slots, n, s)
+  if reset is not None and (reset.shape != (n,) or reset.dtype != jnp.bool_):
+    raise ValueError(f"reset must be a bool [N={n}] array, got {reset.shape} {reset.dtype}")
   return n, ts, h, hv, kd, vd, s
 
 

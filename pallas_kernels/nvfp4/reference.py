@@ -32,6 +32,8 @@ def validate(x, w_q, w_scale, w_scale_2) -> None:
                          f"N={n}, K={k}")
     if jnp.size(w_scale_2) != 1:
         raise ValueError(f"w_scale_2 must hold one value, got shape {list(jnp.shape(w_scale_2))}")
+    if hasattr(w_scale_2, "dtype") and jnp.dtype(w_scale_2.dtype) != jnp.dtype(jnp.float32):
+        raise ValueError(f"w_scale_2 must be float32 (the checkpoint's global scale), got {w_scale_2.dtype}")
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features but the packed weight has K={k}")
 

@@ -235,8 +235,8 @@ def test_glm_gate_lower_bound():
   assert float(gg.min()) >= -5.0 and float(gg.max()) <= 0.0
   np.testing.assert_allclose(np.asarray(gg), kda_gate_oracle(f, a_log, dt, -5.0),
                              rtol=1e-5, atol=1e-6)
-  np.testing.assert_array_equal(np.asarray(kda_gate(f, a_log, dt, backend="pallas")),
-                                np.asarray(gg))
+  np.testing.assert_allclose(np.asarray(kda_gate(f, a_log, dt, backend="pallas")),
+                             kda_gate_oracle(f, a_log, dt, -5.0), rtol=1e-5, atol=1e-6)
   gd = kda_gate(f, a_log, dt.reshape(4, 16), lower_bound=None, backend="xla")
   np.testing.assert_allclose(np.asarray(gd), kda_gate_oracle(f, a_log, dt, None),
                              rtol=1e-5, atol=1e-6)
@@ -277,3 +277,62 @@ def test_bad_input_raises_before_running():
                backend="xla")
   with pytest.raises(ValueError, match="lower_bound"):
     kda_gate(dg, jnp.zeros(2), jnp.zeros(128), lower_bound=1.0)
+  with pytest.raises(ValueError, match="dt_bias"):
+    kda_gate(dg, jnp.zeros(2), jnp.zeros((64, 2)))
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_bad_step_and_commit_input_raises_before_running(backend):
+  """Both backends validate before any work: cu_seqlens must start at 0, decode / verify slots
+  and reset masks, and kda_commit's pool, states, slots and accepted counts."""
+  run = dict(backend=backend, interpret=backend == "pallas")
+  q, k, v, g, beta = make_inputs(t=10, kd=64, vd=64)
+  with pytest.raises(ValueError, match="start at 0"):
+    chunk_kda(q, k, v, g, beta, cu_seqlens=jnp.array([2, 10], jnp.int32), **run)
+  dq, dk, dv, dg, db = make_inputs(lead=(2,), kd=64, vd=64)
+  pool = _pool(3, 2, 64, 64)
+  with pytest.raises(ValueError, match="reset must be a bool"):
+    kda_decode(dq, dk, dv, dg, db, pool, [1, 2], reset=jnp.array([0.5, 0.0]), **run)
+  vq, vk, vv, vg, vb = make_inputs(lead=(2, 3), kd=64, vd=64)
+  with pytest.raises(ValueError, match="slots must lie"):
+    kda_verify(vq, vk, vv, vg, vb, pool, [1, 3], **run)
+  with pytest.raises(ValueError, match="v must be"):
+    kda_verify(vq, vk, vv[:, :2], vg, vb, pool, [1, 2], **run)
+  _, states = kda_verify(vq, vk, vv, vg, vb, pool, [1, 2], backend="xla")
+  for slots, acc, match in (([1, 7], [1, 1], "slots must lie"), ([1, 1], [1, 2], "share"),
+                            ([1, 2], [4, 1], "num_accepted must lie"),
+                            ([1, 2], [-1, 1], "num_accepted must lie"),
+                            ([1, 2], jnp.array([1.0, 1.0]), "num_accepted must be an integer")):
+    with pytest.raises(ValueError, match=match):
+      kda_commit(pool, slots, states, acc)
+  with pytest.raises(ValueError, match="states must be"):
+    kda_commit(pool, [1, 2], states.reshape(-1), [1, 1])
+  with pytest.raises(ValueError, match="float32"):
+    kda_commit(pool.astype(jnp.bfloat16), [1, 2], states, [1, 1])
+
+
+def test_index_lists_and_empty_prompts_are_taken():
+  """Python lists for cu_seqlens / slots / reset / num_accepted act as the arrays they spell, and
+  T = 0 returns an empty output and the initial state on both backends (no kernel runs)."""
+  q, k, v, g, beta = make_inputs(t=10, kd=64, vd=64)
+  o_list, _ = chunk_kda(q, k, v, g, beta, cu_seqlens=[0, 4, 10], backend="xla")
+  o_arr, _ = chunk_kda(q, k, v, g, beta, cu_seqlens=cu_of((4, 6)), backend="xla")
+  np.testing.assert_array_equal(np.asarray(o_list), np.asarray(o_arr))
+  dq, dk, dv, dg, db = make_inputs(lead=(2,), kd=64, vd=64)
+  pool = _pool(3, 2, 64, 64)
+  o1, p1 = kda_decode(dq, dk, dv, dg, db, pool, [2, 1], reset=[True, False], backend="xla")
+  o2, p2 = kda_decode(dq, dk, dv, dg, db, pool, jnp.array([2, 1], jnp.int32),
+                      reset=jnp.array([True, False]), backend="xla")
+  np.testing.assert_array_equal(np.asarray(o1), np.asarray(o2))
+  np.testing.assert_array_equal(np.asarray(p1), np.asarray(p2))
+  vq, vk, vv, vg, vb = make_inputs(lead=(2, 3), kd=64, vd=64)
+  _, states = kda_verify(vq, vk, vv, vg, vb, pool, [1, 2], backend="xla")
+  committed = kda_commit(pool, [1, 2], states, [3, 0])
+  np.testing.assert_array_equal(np.asarray(committed[1]), np.asarray(states[0, 2]))
+  np.testing.assert_array_equal(np.asarray(committed[2]), np.asarray(pool[2]))
+  init = rand_state(1, 2, 64, 64)
+  for backend in ("xla", "pallas"):
+    o, final = chunk_kda(*make_inputs(t=0, kd=64, vd=64), initial_state=init,
+                         output_final_state=True, backend=backend, interpret=True)
+    assert o.shape == (1, 0, 2, 64)
+    np.testing.assert_array_equal(np.asarray(final), np.asarray(init))

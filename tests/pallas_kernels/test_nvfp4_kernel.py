@@ -167,6 +167,8 @@ def test_bad_operands_are_named():
         matmul(x, wq.astype(jnp.int8), ws, s2, backend="pallas", interpret=True)
     with pytest.raises(ValueError, match="w_scale_2 must hold one value"):
         matmul(x, wq, ws, jnp.ones((2,)), backend="xla")
+    with pytest.raises(ValueError, match="w_scale_2 must be float32"):
+        matmul(x, wq, ws, s2.astype(jnp.bfloat16), backend="pallas", interpret=True)
 
 
 @pytest.mark.parametrize("m,k", [(1, 4096), (8, 4096), (2048, 4096), (1, 768), (1, 1280)])

@@ -191,6 +191,19 @@ def test_k_not_divisible_by_the_block_names_the_layer(method, k, msg):
         fused.quantize_(method, name="model.layers.0.mlp.gate_up_proj")
 
 
+def test_pallas_block_fp8_other_blocks_are_refused_when_declared():
+    """A block-FP8 checkpoint with 64x64 blocks cannot run on the Pallas kernels: the layer says so
+    by name when it is declared, before a weight is read; the XLA backend takes it."""
+    with pytest.raises(QuantLayoutError, match=r"model.layers.0.mlp.up_proj: .*128x128 weight blocks.*\(64, 64\)"):
+        Linear(128, 64, jnp.bfloat16, axes=("mlp", "embed")).quantize_(
+            "fp8_block", block=(64, 64), backend="pallas", name="model.layers.0.mlp.up_proj")
+    fused = FusedLinear(128, [("model.layers.0.mlp.gate_proj", 64), ("model.layers.0.mlp.up_proj", 64)],
+                        jnp.bfloat16, axes=("mlp", "embed"))
+    with pytest.raises(QuantLayoutError, match="gate_up_proj.*128x128 weight blocks"):
+        fused.quantize_("fp8_block", block=(64, 64), backend="pallas", name="model.layers.0.mlp.gate_up_proj")
+    Linear(128, 64, jnp.bfloat16, axes=("mlp", "embed")).quantize_("fp8_block", block=(64, 64), backend="xla")
+
+
 class Layer(nnx.Module):
     """An MLP and an attention's projections under ``layers.0``, as the models declare them."""
 

@@ -121,6 +121,7 @@ class Linear(nnx.Module):
         try:
             specs = quant_tensor_specs(method, n, k, block, optional)
             check_tp_layout(method, n, k, (_tp_shards(self.axes, mesh, 0), _tp_shards(self.axes, mesh, 1)), block)
+            check_kernel_block(method, block, backend)
         except QuantLayoutError as e:
             raise QuantLayoutError(f"{name or 'linear'}: {e}") from None
         for suffix, (shape, dtype, sharded) in specs.items():
@@ -212,6 +213,7 @@ class FusedLinear(nnx.Module):
         try:
             specs = quant_tensor_specs(method, n, k, block, optional)
             check_tp_layout(method, n, k, (_tp_shards(self.axes, mesh, 0), _tp_shards(self.axes, mesh, 1)), block)
+            check_kernel_block(method, block, backend)
         except QuantLayoutError as e:
             members = ", ".join(m for m, _ in self.members)
             raise QuantLayoutError(f"{name or 'fused linear'} ({members}): {e}") from None
@@ -410,6 +412,14 @@ def _tp_shards(axes, mesh, dim: int) -> int:
     if mesh is None or TP not in mesh.shape:
         return 1
     return mesh.shape[TP] if tuple(spec(axes))[dim] == TP else 1
+
+
+def check_kernel_block(method, block, backend) -> None:
+    """The Pallas block-FP8 kernels take 128x128 scale blocks only: other blocks are refused when
+    the layer is declared (before any weight is read), not at its first call."""
+    if method == "fp8_block" and backend == "pallas" and tuple(block) != (128, 128):
+        raise QuantLayoutError(f"the Pallas block-FP8 kernels take 128x128 weight blocks, the checkpoint "
+                               f"has {tuple(block)}; serve it with backend='xla'")
 
 
 def check_tp_layout(method, n, k, shards: tuple[int, int], block) -> None:
