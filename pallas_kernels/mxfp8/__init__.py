@@ -5,7 +5,9 @@
   x        [..., K]  bf16 or f32 (enters the tensor cores as bf16)
   w_q      [N, K]    float8_e4m3fn
   w_scale  [K/32, N] uint8 E8M0, the checkpoint's [N, K/32] transposed (one K block's scales
-           for consecutive rows are contiguous: a K step's scales are one TMA tile):
+           for consecutive rows are contiguous: a K step's scales are one TMA tile; where
+           N == K/32 the checkpoint's layout has the same shape and no check can tell them
+           apart: pass ``weight_scale.T``, as the loader stores it):
            w[n, k] = w_q[n, k] * 2^(w_scale[k // 32, n] - 127)
   returns  [..., N]  out_dtype (default x.dtype), fp32 accumulation
   wide_scales  whether some E8M0 byte exceeds 134 (a 32-block whose largest weight passes 2^16):

@@ -6,7 +6,9 @@
   w_q        [N, K/2]   uint8, two E2M1 codes per byte, element 2i in the low nibble
   w_scale    [K/16, N]  float8_e4m3fn per-16 block scale, the checkpoint's [N, K/16] transposed
                         (one K block's scales for consecutive rows are contiguous: a K
-                        step's scales are one TMA tile)
+                        step's scales are one TMA tile). Where N == K/16 the checkpoint's
+                        layout has the same shape and no check can tell them apart: pass
+                        ``weight_scale.T`` (the loader stores it so)
   w_scale_2  []         float32 global scale
   returns    [..., N]   out_dtype (default x.dtype), fp32 accumulation
 
