@@ -23,7 +23,7 @@ interpret=True runs ``kernel.py``'s forms on CPU; 128x128 blocks only).
 
 from __future__ import annotations
 
-from .kernel import matmul_kernel
+from .kernel import check_block, matmul_kernel
 from .reference import DEFAULT_BLOCK, dequantize_bf16, matmul_reference, quantize_activations
 
 BACKENDS = ("pallas", "xla")
@@ -40,5 +40,5 @@ def matmul(x, w_q, w_scale_inv, *, block=DEFAULT_BLOCK, act_quant=False, backend
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-__all__ = ["matmul", "matmul_kernel", "matmul_reference", "dequantize_bf16", "quantize_activations",
+__all__ = ["matmul", "matmul_kernel", "check_block", "matmul_reference", "dequantize_bf16", "quantize_activations",
            "BACKENDS"]

@@ -39,7 +39,8 @@ from .reference import DEFAULT_BLOCK, quantize_activations, validate
 COL = plgpu.Layout.WGMMA.reduce(0)
 
 
-def _check_block(block):
+def check_block(block):
+    """The Pallas kernels' one scale block, 128x128 (ValueError otherwise)."""
     if tuple(block) != (128, 128):
         raise ValueError(f"the Pallas block-FP8 kernels support 128x128 weight blocks, got {tuple(block)}; "
                          "use backend='xla'")
@@ -50,7 +51,7 @@ def matmul_kernel(x, w_q, w_scale_inv, *, block=DEFAULT_BLOCK, act_quant=False, 
     """x [..., K] @ dequant(w_q)^T -> [..., N]; plan_overrides: tk, splits, stages, bm (any override
     keeps the call on this module's kernels, also where the warp-specialized forms would run)."""
     validate(x, w_q, w_scale_inv, block)
-    _check_block(block)
+    check_block(block)
     out_dtype = out_dtype or x.dtype
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)

@@ -417,9 +417,12 @@ def _tp_shards(axes, mesh, dim: int) -> int:
 def check_kernel_block(method, block, backend) -> None:
     """The Pallas block-FP8 kernels take 128x128 scale blocks only: other blocks are refused when
     the layer is declared (before any weight is read), not at its first call."""
-    if method == "fp8_block" and backend == "pallas" and tuple(block) != (128, 128):
-        raise QuantLayoutError(f"the Pallas block-FP8 kernels take 128x128 weight blocks, the checkpoint "
-                               f"has {tuple(block)}; serve it with backend='xla'")
+    if method == "fp8_block" and backend == "pallas":
+        from pallas_kernels.fp8_block import check_block
+        try:
+            check_block(block)
+        except ValueError as e:
+            raise QuantLayoutError(str(e)) from None
 
 
 def check_tp_layout(method, n, k, shards: tuple[int, int], block) -> None:
