@@ -9,6 +9,8 @@ N sequences, S state-pool slots, Ts speculative tokens per sequence.
                          checkpoint_every=None, backend="pallas")
       q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] fp32 log decay (<= 0); beta [B,T,HV]
       initial_state [N,HV,K,V] fp32 or None (zeros); cu_seqlens [N+1] int32 (B == 1, packed)
+      (g, beta and initial_state may come in a narrower float, e.g. bf16: they are widened to
+      fp32 without loss, as fla does; integer inputs are refused)
       -> o [B,T,HV,V] (v.dtype), final [N,HV,K,V] fp32 (None unless output_final_state)
       checkpoint_every=E (a multiple of 64): returns (o, final, KDACheckpoints) with the state
       after every E tokens of each sequence (see _common.KDACheckpoints for the layout).

@@ -100,12 +100,22 @@ def check_commit_args(state_pool, slots, states, num_accepted) -> None:
                      f"token), got {acc.tolist()}")
 
 
+def check_floats(**arrays) -> None:
+  """Token inputs and states must be floating point (any width: g, beta and states narrower
+  than fp32 are widened to fp32 losslessly, as fla does; an integer array is a caller's
+  mistake, not a decay)."""
+  for name, x in arrays.items():
+    if x is not None and not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"{name} must be a floating-point array, got {x.dtype}")
+
+
 def check_chunk_args(q, k, v, g, beta, initial_state, cu_seqlens, checkpoint_every,
                      chunk_size):
   """Validates chunk_kda's arguments; returns (B, T, H, HV, K, V, N)."""
   for name, x, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 4), ("beta", beta, 3)):
     if x.ndim != rank:
       raise ValueError(f"{name} must have rank {rank}, got shape {x.shape}")
+  check_floats(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
   b, t, h, kd = q.shape
   if k.shape != q.shape:
     raise ValueError(f"k must have q's shape {q.shape} [B, T, H, K], got {k.shape}")
@@ -158,6 +168,7 @@ def check_step_args(q, k, v, g, beta, state_pool, slots, reset, *, tokens_axis):
                         ("g", g, lead + 2), ("beta", beta, lead + 1)):
     if x.ndim != rank:
       raise ValueError(f"{name} must have rank {rank} ({form}...]), got shape {x.shape}")
+  check_floats(q=q, k=k, v=v, g=g, beta=beta)
   n, h, kd = q.shape[0], q.shape[-2], q.shape[-1]
   ts = q.shape[1] if tokens_axis else 1
   if k.shape != q.shape:

@@ -311,6 +311,28 @@ def test_bad_step_and_commit_input_raises_before_running(backend):
     kda_commit(pool.astype(jnp.bfloat16), [1, 2], states, [1, 1])
 
 
+def test_narrow_float_gates_and_states_are_widened_and_integers_refused():
+  """g, beta and initial_state in bf16 give what their values widened to fp32 give (fla's
+  behaviour: nothing is lost by the widening); integer token inputs or states are refused."""
+  q, k, v, g, beta = make_inputs(t=20, kd=64, vd=64)
+  gb, bb, sb = g.astype(jnp.bfloat16), beta.astype(jnp.bfloat16), rand_state(1, 2, 64, 64).astype(jnp.bfloat16)
+  o_n, f_n = chunk_kda(q, k, v, gb, bb, initial_state=sb, output_final_state=True, backend="xla")
+  o_w, f_w = chunk_kda(q, k, v, gb.astype(jnp.float32), bb.astype(jnp.float32),
+                       initial_state=sb.astype(jnp.float32), output_final_state=True, backend="xla")
+  np.testing.assert_array_equal(np.asarray(o_n), np.asarray(o_w))
+  np.testing.assert_array_equal(np.asarray(f_n), np.asarray(f_w))
+  for backend in ("xla", "pallas"):
+    with pytest.raises(ValueError, match="g must be a floating-point"):
+      chunk_kda(q, k, v, g.astype(jnp.int32), beta, backend=backend, interpret=True)
+    with pytest.raises(ValueError, match="initial_state must be a floating-point"):
+      chunk_kda(q, k, v, g, beta, initial_state=jnp.zeros((1, 2, 64, 64), jnp.int32),
+                backend=backend, interpret=True)
+    dq, dk, dv, dg, db = make_inputs(lead=(2,), kd=64, vd=64)
+    with pytest.raises(ValueError, match="q must be a floating-point"):
+      kda_decode(dq.astype(jnp.int8), dk, dv, dg, db, _pool(3, 2, 64, 64), [1, 2], backend=backend,
+                 interpret=True)
+
+
 def test_index_lists_and_empty_prompts_are_taken():
   """Python lists for cu_seqlens / slots / reset / num_accepted act as the arrays they spell, and
   T = 0 returns an empty output and the initial state on both backends (no kernel runs)."""
