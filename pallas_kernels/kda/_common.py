@@ -89,6 +89,7 @@ def check_commit_args(state_pool, slots, states, num_accepted) -> None:
   if states.ndim != 5 or states.shape[2:] != state_pool.shape[1:]:
     raise ValueError(f"states must be [N, Ts, {', '.join(map(str, state_pool.shape[1:]))}], "
                      f"got {states.shape}")
+  check_floats(states=states)
   n, ts = states.shape[:2]
   check_slots(slots, n, s)
   if num_accepted.shape != (n,) or not jnp.issubdtype(num_accepted.dtype, jnp.integer):

@@ -313,7 +313,8 @@ def test_bad_step_and_commit_input_raises_before_running(backend):
 
 def test_narrow_float_gates_and_states_are_widened_and_integers_refused():
   """g, beta and initial_state in bf16 give what their values widened to fp32 give (fla's
-  behaviour: nothing is lost by the widening); integer token inputs or states are refused."""
+  behaviour: nothing is lost by the widening); integer token inputs or states (also those
+  handed to kda_commit) are refused."""
   q, k, v, g, beta = make_inputs(t=20, kd=64, vd=64)
   gb, bb, sb = g.astype(jnp.bfloat16), beta.astype(jnp.bfloat16), rand_state(1, 2, 64, 64).astype(jnp.bfloat16)
   o_n, f_n = chunk_kda(q, k, v, gb, bb, initial_state=sb, output_final_state=True, backend="xla")
@@ -331,6 +332,8 @@ def test_narrow_float_gates_and_states_are_widened_and_integers_refused():
     with pytest.raises(ValueError, match="q must be a floating-point"):
       kda_decode(dq.astype(jnp.int8), dk, dv, dg, db, _pool(3, 2, 64, 64), [1, 2], backend=backend,
                  interpret=True)
+  with pytest.raises(ValueError, match="states must be a floating-point"):
+    kda_commit(_pool(3, 2, 64, 64), [1, 2], jnp.zeros((2, 3, 2, 64, 64), jnp.int32), [1, 1])
 
 
 def test_index_lists_and_empty_prompts_are_taken():
