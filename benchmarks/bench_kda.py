@@ -192,7 +192,8 @@ def check(results, failures, cases=None):
   ):
     if cases is not None and not any(name.startswith(p) for p in cases):
       continue
-    f = jax.jit(lambda *x, extra=extra: chunk_kda(*x, backend="pallas", **kw, **extra))
+    f = jax.jit(lambda *x, extra=extra: chunk_kda(*x, backend="pallas", interpret=TINY, **kw,
+                                                  **extra))
     r = jax.jit(lambda *x, extra=extra: chunk_kda(*x, backend="xla", **kw, **extra))
     (o, s), (o_r, s_r) = f(*a), r(*a)
     rows.append((name, rel(o, o_r), rel(s, s_r)))
@@ -203,12 +204,14 @@ def check(results, failures, cases=None):
   pool = jnp.asarray(np.random.default_rng(6).standard_normal((n + 1, h, d, d)) * .3,
                      jnp.float32)
   slots = jnp.arange(1, n + 1, dtype=jnp.int32)
-  o, p = jax.jit(lambda *x: kda_decode(*x, backend="pallas", use_qk_l2norm=True))(
+  o, p = jax.jit(lambda *x: kda_decode(*x, backend="pallas", interpret=TINY,
+                                       use_qk_l2norm=True))(
       q, k, v, g, beta, pool, slots)
   o_r, p_r = kda_decode(q, k, v, g, beta, pool, slots, backend="xla", use_qk_l2norm=True)
   rows.append(("decode N=64 H=32 D=128", rel(o, o_r), rel(p, p_r)))
   q, k, v, g, beta = (jnp.asarray(x) for x in inputs((n, 4), h, d, seed=7))
-  o, st = jax.jit(lambda *x: kda_verify(*x, backend="pallas", use_qk_l2norm=True))(
+  o, st = jax.jit(lambda *x: kda_verify(*x, backend="pallas", interpret=TINY,
+                                        use_qk_l2norm=True))(
       q, k, v, g, beta, pool, slots)
   o_r, st_r = kda_verify(q, k, v, g, beta, pool, slots, backend="xla", use_qk_l2norm=True)
   rows.append(("verify N=64 Ts=4 H=32 D=128", rel(o, o_r), rel(st, st_r)))
@@ -240,8 +243,8 @@ def bench_prefill(results, fla, budget, quick, shapes=None, tokamax=True):
       continue
     host = inputs((b, t), h, 128, seed=t + h)
     a = to_jax(*host)
-    f = jax.jit(lambda *x: chunk_kda(*x, backend="pallas", output_final_state=True,
-                                     use_qk_l2norm=True))
+    f = jax.jit(lambda *x: chunk_kda(*x, backend="pallas", interpret=TINY,
+                                     output_final_state=True, use_qk_l2norm=True))
     ours = time_jax(f, *a) * 1e3
     row = {"B": b, "T": t, "H": h, "D": 128, "ours_ms": ours}
     if (b, t, h) == sz((1, 32768, 32), (1, 256, 1)):
@@ -285,10 +288,9 @@ def _stage_inputs(a):
   n = b
   cs = jnp.arange(n, dtype=jnp.int32) * (t // c)
   ncs = jnp.full((n,), t // c, jnp.int32)
-  lens = jnp.full((n,), t, jnp.int32)
-  scan = jax.jit(lambda *o: kk._scan_call(*o, cs, ncs, lens, None, None,
-                                          out_dtype=jnp.bfloat16, every=None, num_ckpt=0,
-                                          vt=kk._scan_v_tile(n, h, _v.shape[-1]), interpret=TINY))
+  scan = jax.jit(lambda *o: kk._scan_call(*o, cs, ncs, None, None, out_dtype=jnp.bfloat16,
+                                          num_ckpt=0, vt=kk._scan_v_tile(n, h, _v.shape[-1]),
+                                          interpret=TINY))
   return prep_j, a[3:], intra, ins, scan, ops
 
 
@@ -346,12 +348,13 @@ def bench_decode(results, fla, budget):
     pool = jnp.concatenate([jnp.zeros((1, h, d, d), jnp.float32), jnp.asarray(state)])
     slots = jnp.arange(1, n + 1, dtype=jnp.int32)
     step = jax.jit(lambda p, *x, slots=slots: kda_decode(*x, p, slots, backend="pallas",
-                                            use_qk_l2norm=True), donate_argnums=0)
+                                            interpret=TINY, use_qk_l2norm=True),
+                   donate_argnums=0)
     per_call, pool = time_decode(step, pool, (q, k, v, g, beta))
 
     def loop(p, *x, steps=16, slots=slots):
       def body(_, p):
-        return kda_decode(*x, p, slots, backend="pallas", use_qk_l2norm=True)[1]
+        return kda_decode(*x, p, slots, backend="pallas", interpret=TINY, use_qk_l2norm=True)[1]
       return lax_fori(steps, body, p)
 
     loop_j = jax.jit(loop, donate_argnums=0)
@@ -448,8 +451,6 @@ def main():
   if args.tiny:
     global TINY
     TINY = True
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    plgpu.set_gpu_interpret_mode(plgpu.InterpretGPUParams())
   dev = jax.devices()[0]
   results = {"device": str(getattr(dev, "device_kind", dev)), "jax": jax.__version__,
                  "check": [], "prefill": [], "decode": [], "skipped": []}

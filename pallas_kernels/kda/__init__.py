@@ -12,8 +12,12 @@ N sequences, S state-pool slots, Ts speculative tokens per sequence.
       (g, beta and initial_state may come in a narrower float, e.g. bf16: they are widened to
       fp32 without loss, as fla does; integer inputs are refused)
       -> o [B,T,HV,V] (v.dtype), final [N,HV,K,V] fp32 (None unless output_final_state)
-      checkpoint_every=E (a multiple of 64): returns (o, final, KDACheckpoints) with the state
-      after every E tokens of each sequence (see _common.KDACheckpoints for the layout).
+      checkpoint_every=E (any positive int): returns (o, final, KDACheckpoints) with the state
+      after every E tokens of each sequence (see _common.KDACheckpoints for the layout). With
+      E a multiple of the 64-token chunk the Pallas kernel stores them as it goes; otherwise
+      it stores the chunk ends they start from and each checkpoint adds one fp32 chunk step
+      of fewer than 64 tokens in XLA, run one checkpoint after another (slower: prefer
+      multiples of 64, as prefix caches of hybrid models usually align their blocks).
 
     o, state_pool = kda_decode(q, k, v, g, beta, state_pool, slots, *, scale=None,
                                use_qk_l2norm=False, reset=None, backend="pallas")

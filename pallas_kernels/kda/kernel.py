@@ -46,7 +46,11 @@ Chunked prefill (`chunk_kda_pallas`), fla's stage split with stages 3 and 4 fuse
          O = Qg S + A_qk v_new ([C,C] @ [C,Vt]),   v_new = u - W S,
          S = exp(Gamma_last) * S + Kg^T v_new      ([K,C] @ [C,Vt], transposed SMEM operand).
        The next chunk's operands are TMA-prefetched into a second buffer while the current
-       one computes. Final states and checkpoints are TMA-stored from the registers.
+       one computes. Final states and chunk-end states (a per-chunk row table says which,
+       and where) are TMA-stored from the registers. A checkpoint interval that is not a
+       multiple of C takes the chunk ends its checkpoints start from and finishes each with
+       one fp32 chunk step of the remaining < C tokens in XLA
+       (`reference.checkpoints_from_boundaries`).
 Matmul operands of the scan are bf16 with fp32 accumulation (as fla); the state, u, decays
 and all elementwise math stay fp32.
 
@@ -82,7 +86,7 @@ from .chunk_cumsum import chunk_cumsum, cumsum_swizzled_rows
 from .chunk_cumsum import kernel_supported as cumsum_kernel_supported
 from .diag_inverse import BLOCK as _INV_BLOCK
 from .diag_inverse import diag_block_inverse_t
-from .reference import CHUNK, _chunk_table
+from .reference import CHUNK, _chunk_table, checkpoints_from_boundaries
 
 SUPPORTED_DIMS = (64, 128)
 _L = plgpu.Layout
@@ -736,18 +740,18 @@ _SCAN_CLUSTER = 2
 _SMEM_BYTES = SMEM_PER_CTA - 1024   # the scan's buffers: all a CTA may use, less its barriers
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "every", "num_ckpt", "vt", "interpret"))
-def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, every,
-               num_ckpt, vt, interpret):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "num_ckpt", "vt", "interpret"))
+def _scan_call(w, qg, kg, u, a, gl, cs, ncs, init, ck_row, *, out_dtype, num_ckpt, vt,
+               interpret):
   """Stages 3-4 (Mosaic GPU): sequential chunk scan + output, one CTA per (V tile, head,
   sequence).
 
   w, qg, kg [NC,HV,C,K] bf16; u [NC,HV,C,V] f32; a [NC,HV,C,C] bf16; gl [NC,HV,K] f32;
-  cs, ncs, lens [N] int32 (first chunk, chunk count, token count of each sequence);
-  init [N,HV,K,V] f32 or None; ck_off [N] int32 (first checkpoint row) when every is set;
-  vt the V tile (`_scan_v_tile`). Returns o [NC,C,HV,V] (out_dtype; rows of unused chunk
-  slots are unwritten), final [N,HV,K,V] f32 and, when every is set, checkpoints
-  [num_ckpt,HV,K,V] f32. The operands of up to `_SCAN_STAGES` chunks are loaded or in flight
+  cs, ncs [N] int32 (first chunk, chunk count of each sequence); init [N,HV,K,V] f32 or
+  None; ck_row [NC] int32 or None: the row of the checkpoint output that takes the state
+  after chunk c, -1 for none; vt the V tile (`_scan_v_tile`). Returns o [NC,C,HV,V]
+  (out_dtype; rows of unused chunk slots are unwritten), final [N,HV,K,V] f32 and, when
+  ck_row is given, checkpoints [max(num_ckpt, 1),HV,K,V] f32 (rows no chunk names unwritten). The operands of up to `_SCAN_STAGES` chunks are loaded or in flight
   at once (three fit in shared memory at 32-wide V tiles: 1.2 % faster at K = 64, T = 32K,
   H = 32, within the noise at K = 128; two at 64-wide tiles). The step waits on its loads
   (L2 bandwidth: 128 CTAs take in ~6 TB/s), hence `_SCAN_CLUSTER`.
@@ -757,16 +761,17 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
   n = cs.shape[0]
   f32, bf = jnp.float32, jnp.bfloat16
   has_init = init is not None
+  has_ck = ck_row is not None
 
   def kda_scan(*refs, w_smem, qg_smem, kg_smem, a_smem, u_smem, gl_smem, s_smem, vn_smem,
                o_smem, sf_smem, bar, ibar, free):
     refs = list(refs)
-    w_ref, qg_ref, kg_ref, u_ref, a_ref, gl_ref, cs_ref, nc_ref, len_ref = refs[:9]
-    refs = refs[9:]
+    w_ref, qg_ref, kg_ref, u_ref, a_ref, gl_ref, cs_ref, nc_ref = refs[:8]
+    refs = refs[8:]
     init_ref = refs.pop(0) if has_init else None
-    off_ref = refs.pop(0) if every else None
+    row_ref = refs.pop(0) if has_ck else None
     o_ref, fin_ref = refs[0], refs[1]
-    ck_ref = refs[2] if every else None
+    ck_ref = refs[2] if has_ck else None
     j = lax.axis_index("vt") * pair + (lax.axis_index("pair") if pair > 1 else 0)
     h = lax.axis_index("h")
     sq = lax.axis_index("n")
@@ -840,16 +845,15 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
         def _():
           plgpu.barrier_arrive(free.at[slot])
 
-      if every:
-        done = (i + 1) * c
+      if has_ck:
+        row = row_ref[c0 + i]
 
-        @pl.when((lax.rem(done, every) == 0) & (done <= len_ref[sq]))
+        @pl.when(row >= 0)
         def _():
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           sf_smem[...] = s
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(
-              sf_smem, ck_ref.at[off_ref[sq] + lax.div(done, every) - 1, h, :, cols])
+          plgpu.copy_smem_to_gmem(sf_smem, ck_ref.at[row, h, :, cols])
       return s
 
     s = lax.fori_loop(0, nch, step, s0)
@@ -886,13 +890,13 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens, init, ck_off, *, out_dtype, e
   }
   out_type = [jax.ShapeDtypeStruct((nct, c, hv, vd), out_dtype),
               jax.ShapeDtypeStruct((n, hv, kd, vd), f32)]
-  if every:
+  if has_ck:
     out_type.append(jax.ShapeDtypeStruct((max(num_ckpt, 1), hv, kd, vd), f32))
-  args = [w, qg, kg, u, a, gl, cs, ncs, lens]
+  args = [w, qg, kg, u, a, gl, cs, ncs]
   if has_init:
     args.append(init)
-  if every:
-    args.append(ck_off)
+  if has_ck:
+    args.append(ck_row)
   call = plgpu.kernel(
       kda_scan, out_type=tuple(out_type), scratch_types=scratch,
       grid=(vd // vt // pair, hv, n), grid_names=("vt", "h", "n"),
@@ -940,12 +944,15 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     cs = jnp.arange(n, dtype=jnp.int32) * ncl
     ncs = jnp.full((n,), ncl, jnp.int32)
     lens = jnp.full((n,), t, jnp.int32)
+    cu = jnp.arange(n + 1, dtype=jnp.int32) * t             # the lanes as packed sequences
+    slot = jnp.arange(n * ncl, dtype=jnp.int32)
+    seq, pos = slot // ncl, slot % ncl
     out_idx = None
   else:
     n = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.astype(jnp.int32)
     nct = t // c + n
-    _seq, _, start, valid = _chunk_table(cu, nct, c)
+    seq, pos, start, valid = _chunk_table(cu, nct, c)
     tok = start[:, None] + jnp.arange(c)[None, :]
     ok = jnp.arange(c)[None, :] < valid[:, None]
     tok_c = jnp.clip(tok, 0, max(t - 1, 0))
@@ -965,15 +972,26 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
   else:
     w, qg, kg, u, a, gl = _intra(*chunks)
   init = None if initial_state is None else initial_state.astype(jnp.float32)
-  num_ckpt = 0
-  ck_off = None
+  num_ckpt, rows, ck_row = 0, 0, None     # rows: of the kernel's checkpoint output
   if every:
     per = lens // every
-    ck_off = (jnp.cumsum(per) - per).astype(jnp.int32)
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(per)]).astype(jnp.int32)
     num_ckpt = t // every if cu_seqlens is not None else b * (t // every)
-  outs = _scan_call(w, qg, kg, u, a, gl, cs, ncs, lens.astype(jnp.int32), init, ck_off,
-                    out_dtype=v.dtype, every=every, num_ckpt=num_ckpt,
-                    vt=_scan_v_tile(n, hv, vd), interpret=interpret)
+    seq_c = jnp.minimum(seq, n - 1)
+    done = (pos + 1) * c                           # tokens of its sequence after chunk slot
+    real = (seq < n) & (done <= lens[seq_c])
+    if every % c == 0:                             # the chunk ends are the checkpoints
+      ck_row = jnp.where(real & (done % every == 0), offsets[seq_c] + done // every - 1, -1)
+      rows = num_ckpt
+    else:                                          # chunk ends that a checkpoint starts from
+      first = -(-done // every) * every
+      need = real & (first < done + c) & (first <= lens[seq_c])
+      ck_row = jnp.where(need, jnp.cumsum(need) - 1, -1)
+      rows = min(seq.shape[0], num_ckpt)
+    ck_row = ck_row.astype(jnp.int32)
+  outs = _scan_call(w, qg, kg, u, a, gl, cs, ncs, init, ck_row, out_dtype=v.dtype,
+                    num_ckpt=rows, vt=_scan_v_tile(n, hv, vd),
+                    interpret=interpret)
   oc, final = outs[0], outs[1]
   if out_idx is None:
     o = oc.reshape(b, -1, hv, vd)[:, :t]
@@ -981,9 +999,15 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     o = jnp.zeros((t, hv, vd), v.dtype).at[out_idx].set(
         oc.reshape(-1, hv, vd), mode="drop")[None]
   final = final if output_final_state else None
+  if every and every % c == 0:
+    used = jnp.arange(num_ckpt)[:, None, None, None] < offsets[-1]
+    states = jnp.where(used, outs[2][:num_ckpt], 0.0)                # unused rows: zeros
+    return o, final, KDACheckpoints(states, offsets)
   if every:
-    offsets = jnp.concatenate([ck_off, (ck_off[-1:] + (lens[-1:] // every))]).astype(jnp.int32)
-    rows = jnp.arange(num_ckpt)[:, None, None, None]
-    states = jnp.where(rows < offsets[-1], outs[2][:num_ckpt], 0.0)   # unused rows: zeros
+    kp = prepare_qk(k, k, scale=scale, use_qk_l2norm=use_qk_l2norm, hv=hv)[1]
+    flat = lambda x: x.reshape((-1,) + x.shape[2:]).astype(jnp.float32)
+    states = checkpoints_from_boundaries(
+        outs[2], ck_row, cs, jnp.zeros((n, hv, kd, vd), jnp.float32) if init is None else init,
+        flat(kp), flat(v), flat(g), flat(beta), cu, offsets, every, num_ckpt)
     return o, final, KDACheckpoints(states, offsets)
   return o, final

@@ -60,10 +60,11 @@ def _chunk_table(cu, num_chunks, chunk):
   return seq, pos, start, valid
 
 
-def _chunk_step(s0, q, k, v, g, beta):
+def _chunk_step(s0, q, k, v, g, beta, at=None):
   """One chunk for all heads. s0 [H,K,V]; q,k,g [C,H,K]; v [C,H,V]; beta [C,H].
 
-  Returns (o [C,H,V], s1 [H,K,V]).
+  Returns (o [C,H,V], s1 [H,K,V]) and, when `at` [P] int32 (each in 1..C) is given, also the
+  states after the chunk's first at[p] tokens [P,H,K,V].
   """
   c = q.shape[0]
   gam = jnp.cumsum(g, axis=0)                                     # [C,H,K]
@@ -86,11 +87,22 @@ def _chunk_step(s0, q, k, v, g, beta):
   v_new = u - jnp.einsum("hik,hkv->hiv", w, s0, precision=_HI)
   o = (jnp.einsum("ihk,hkv->ihv", q * eg, s0, precision=_HI)
        + jnp.einsum("hij,hjv->ihv", a_qk, v_new, precision=_HI))
-  glast = gam[-1]                                                 # [H,K]
-  kdec = jnp.exp(glast[None] - gam) * k                           # [C,H,K]
-  s1 = (jnp.exp(glast)[:, :, None] * s0
-        + jnp.einsum("jhk,hjv->hkv", kdec, v_new, precision=_HI))
-  return o, s1
+  s1 = _state_after(s0, k, gam, v_new, c)
+  if at is None:
+    return o, s1
+  return o, s1, jax.vmap(lambda r: _state_after(s0, k, gam, v_new, r))(at)
+
+
+def _state_after(s0, k, gam, v_new, r):
+  """The state after the chunk's first r tokens (1 <= r <= C): the end-of-chunk update
+  restricted to tokens j < r, decayed to token r - 1 (v_new of a token depends only on the
+  tokens before it). s0 [H,K,V]; k, gam [C,H,K]; v_new [H,C,V]; r a scalar. Returns [H,K,V].
+  """
+  last = gam[r - 1]                                               # [H,K]
+  before = (jnp.arange(k.shape[0]) < r)[:, None, None]
+  kdec = jnp.where(before, jnp.exp(jnp.where(before, last[None] - gam, 0.0)) * k, 0.0)
+  return (jnp.exp(last)[:, :, None] * s0
+          + jnp.einsum("jhk,hjv->hkv", kdec, v_new, precision=_HI))
 
 
 def _lane(q, k, v, g, beta, cu, init, num_chunks, every, num_ckpt):
@@ -119,32 +131,76 @@ def _lane(q, k, v, g, beta, cu, init, num_chunks, every, num_ckpt):
   if every is not None:
     per = lens // every
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(per).astype(jnp.int32)])
-    done = (pos + 1) * CHUNK                                      # tokens done after chunk
-    is_ck = (seq < n) & (valid == CHUNK) & (done % every == 0)
-    ck_idx = jnp.where(is_ck, offsets[seq_c] + done // every - 1, num_ckpt)
+    # a chunk holds at most ceil(C / every) checkpoints: numbers m (1-based) of its sequence,
+    # each at r = m * every - (tokens before the chunk) of the chunk's tokens
+    m = (pos * CHUNK // every + 1)[:, None] + jnp.arange(-(-CHUNK // every))[None, :]
+    ck_r = m * every - (pos * CHUNK)[:, None]                     # [NC,P] >= 1
+    is_ck = (seq < n)[:, None] & (ck_r <= valid[:, None])
+    ck_idx = jnp.where(is_ck, offsets[seq_c][:, None] + m - 1, num_ckpt)
+    ck_r = jnp.minimum(ck_r, CHUNK)
   else:
     offsets = None
-    ck_idx = jnp.zeros((num_chunks,), jnp.int32)
+    ck_idx = ck_r = jnp.zeros((num_chunks, 1), jnp.int32)
   final0 = init
   ckpt0 = jnp.zeros((num_ckpt,) + init.shape[1:], jnp.float32) if every is not None else None
 
   def body(carry, xs):
     s, final, ckpt = carry
-    qi, ki, vi, gi, bi, pi, si, fi, ci = xs
+    qi, ki, vi, gi, bi, pi, si, fi, ci, ri = xs
     s = jnp.where(pi == 0, init[jnp.minimum(si, n - 1)], s)       # a sequence's first chunk
-    o, s = _chunk_step(s, qi, ki, vi, gi, bi)
+    if ckpt is None:
+      o, s = _chunk_step(s, qi, ki, vi, gi, bi)
+    else:
+      o, s, s_at = _chunk_step(s, qi, ki, vi, gi, bi, at=ri)
+      ckpt = ckpt.at[ci].set(s_at, mode="drop")
     final = final.at[fi].set(s, mode="drop")
-    if ckpt is not None:
-      ckpt = ckpt.at[ci].set(s, mode="drop")
     return (s, final, ckpt), o
 
   s_init = jnp.zeros(init.shape[1:], jnp.float32)
   (_, final, ckpt), oc = lax.scan(
-      body, (s_init, final0, ckpt0), (qc, kc, vc, gc, bc, pos, seq, fin_idx, ck_idx))
+      body, (s_init, final0, ckpt0), (qc, kc, vc, gc, bc, pos, seq, fin_idx, ck_idx, ck_r))
   out_idx = jnp.where(ok, tok, t)                                 # t -> dropped
   o = jnp.zeros((t,) + v.shape[1:], jnp.float32).at[out_idx.reshape(-1)].set(
       oc.reshape((-1,) + v.shape[1:]), mode="drop")
   return o, final, ckpt, offsets
+
+
+def checkpoints_from_boundaries(boundary, boundary_row, first_chunk, init, k, v, g, beta, cu,
+                                offsets, every, num_ckpt):
+  """Checkpoints after every `every` tokens (any every) from states at chunk boundaries.
+
+  Checkpoint m of sequence n (the state after p = (m+1) * every tokens) is the state at the
+  boundary a = (p // C) * C advanced by the r = p - a < C tokens after it: one fp32 chunk step
+  with the tokens from r on masked to identity (k = v = g = beta = 0 leave a state unchanged).
+  The state at a is init[n] for a = 0, else boundary[boundary_row[first_chunk[n] + a/C - 1]].
+  Used by the Pallas prefill, whose kernel publishes states at chunk ends only.
+
+  boundary [A,HV,K,V] f32; boundary_row [NC] int32 (the boundary row of the state after chunk
+  slot c); first_chunk [N] int32 (each sequence's first chunk slot); init [N,HV,K,V] f32;
+  k [T,HV,K] f32 prepared (l2-normalised as asked, mapped to value heads); v [T,HV,V];
+  g [T,HV,K]; beta [T,HV] (f32); cu [N+1] int32 token offsets; offsets [N+1] int32 as in
+  `KDACheckpoints`. Returns [num_ckpt,HV,K,V] f32, rows past offsets[N] zeros. The chunk
+  steps run one after another (`lax.map`), so the transient memory is one chunk step's.
+  """
+  n, t = cu.shape[0] - 1, k.shape[0]
+  rows = jnp.arange(num_ckpt, dtype=jnp.int32)
+  seq = jnp.minimum(jnp.searchsorted(offsets[1:], rows, side="right"), n - 1).astype(jnp.int32)
+  p = (rows - offsets[seq] + 1) * every
+  a = p // CHUNK * CHUNK
+  brow = boundary_row[jnp.maximum(first_chunk[seq] + a // CHUNK - 1, 0)]
+  j = jnp.arange(CHUNK)
+
+  def one(xs):
+    sq, a_, p_, br, row = xs
+    s0 = jnp.where(a_ == 0, init[sq], boundary[jnp.maximum(br, 0)])
+    ok = j < p_ - a_
+    tok = jnp.clip(cu[sq] + a_ + j, 0, max(t - 1, 0))
+    kc, vc, gc, bc = (jnp.where(ok.reshape((CHUNK,) + (1,) * (x.ndim - 1)), x[tok], 0.0)
+                      for x in (k, v, g, beta))
+    s1 = _chunk_step(s0, jnp.zeros_like(kc), kc, vc, gc, bc)[1]
+    return jnp.where(row < offsets[-1], s1, 0.0)
+
+  return lax.map(one, (seq, a, p, brow, rows))
 
 
 def chunk_kda_reference(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,

@@ -138,6 +138,26 @@ def test_checkpoints_match_oracle():
   assert rel_err(ck.states, np.stack([s for per in cc for s in per])) < 1e-5
 
 
+@pytest.mark.parametrize("every", [1, 16, 48, 65, 100, 130, 500])
+def test_checkpoints_at_any_interval_match_oracle(every):
+  """Intervals that are not a multiple of the 64-token chunk put checkpoints inside chunks
+  (several a chunk below 64, none at all when longer than every sequence)."""
+  lens = (200, 63, 130, 1, 0, 65)
+  q, k, v, g, beta = make_inputs(t=sum(lens), kd=64, vd=64, seed=5)
+  init = rand_state(len(lens), 2, 64, 64)
+  _, _, ck = chunk_kda(q, k, v, g, beta, initial_state=init, cu_seqlens=cu_of(lens),
+                       checkpoint_every=every, backend="xla")
+  _, _, cc = kda_oracle(q, k, v, g, beta, initial_state=init, cu_seqlens=cu_of(lens),
+                        checkpoint_every=every, dtype=np.float64)
+  per = [len(c) for c in cc]
+  assert per == [n // every for n in lens]
+  np.testing.assert_array_equal(np.asarray(ck.offsets), np.cumsum([0] + per))
+  assert ck.states.shape == (sum(lens) // every, 2, 64, 64)
+  if sum(per):
+    assert rel_err(ck.states[:sum(per)], np.stack([s for c in cc for s in c])) < 1e-5
+  np.testing.assert_array_equal(np.asarray(ck.states[sum(per):]), 0.0)
+
+
 def test_jit_with_traced_cu_seqlens():
   lens = (40, 90)
   q, k, v, g, beta = make_inputs(t=130, kd=64, vd=64)
@@ -258,8 +278,9 @@ def test_bad_input_raises_before_running():
               backend="xla")
   with pytest.raises(ValueError, match="initial_state"):
     chunk_kda(q, k, v, g, beta, initial_state=rand_state(2, 2, 64, 64), backend="xla")
-  with pytest.raises(ValueError, match="multiple of 64"):
-    chunk_kda(q, k, v, g, beta, checkpoint_every=48, backend="xla")
+  for bad in (0, -64, 64.0, True):
+    with pytest.raises(ValueError, match="checkpoint_every must be a positive int"):
+      chunk_kda(q, k, v, g, beta, checkpoint_every=bad, backend="xla")
   with pytest.raises(ValueError, match="backend"):
     chunk_kda(q, k, v, g, beta, backend="cuda")
   with pytest.raises(ValueError, match="K == V in"):

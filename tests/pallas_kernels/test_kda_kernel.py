@@ -57,6 +57,33 @@ def test_chunk_kernel_varlen_matches_reference_and_oracle(kd, with_init, dtype):
     assert rel_err(o[:, s:e], oo[:, s:e]) < PREFILL_TOL, f"sequence {i} (len {e - s})"
 
 
+@pytest.mark.parametrize("every", [16, 100])
+def test_chunk_kernel_checkpoints_inside_chunks(every):
+  """Checkpoint intervals that are not a multiple of 64: the kernel publishes the chunk ends
+  the checkpoints start from (the initial state for the first chunk) and the last partial
+  chunk is run in fp32; packed with an empty sequence, and batched lanes with GVA."""
+  lens = (200, 63, 130, 0, 65)
+  q, k, v, g, beta = make_inputs(t=sum(lens), kd=64, vd=64, seed=7, dtype=jnp.bfloat16)
+  init = rand_state(len(lens), 2, 64, 64)
+  kw = {"initial_state": init, "cu_seqlens": cu_of(lens), "use_qk_l2norm": True,
+        "checkpoint_every": every}
+  _, _, ck = chunk_kda(q, k, v, g, beta, backend="pallas", interpret=_interpret(), **kw)
+  _, _, ck_x = chunk_kda(q, k, v, g, beta, backend="xla", **kw)
+  _, _, cc = kda_oracle(q, k, v, g, beta, initial_state=init, cu_seqlens=cu_of(lens),
+                        use_qk_l2norm=True, checkpoint_every=every, dtype=np.float64)
+  want = np.stack([s for per in cc for s in per])
+  np.testing.assert_array_equal(np.asarray(ck.offsets), np.asarray(ck_x.offsets))
+  assert ck.states.shape == ck_x.states.shape
+  assert rel_err(ck.states[:len(want)], want) < PREFILL_TOL
+  np.testing.assert_array_equal(np.asarray(ck.states[len(want):]), 0.0)
+  q, k, v, g, beta = make_inputs(b=2, t=130, h=1, hv=2, kd=64, vd=64, seed=8)
+  _, _, ck = chunk_kda(q, k, v, g, beta, checkpoint_every=every, backend="pallas",
+                       interpret=_interpret())
+  _, _, cc = kda_oracle(q, k, v, g, beta, checkpoint_every=every, dtype=np.float64)
+  np.testing.assert_array_equal(np.asarray(ck.offsets), [0, 130 // every, 2 * (130 // every)])
+  assert rel_err(ck.states, np.stack([s for per in cc for s in per])) < PREFILL_TOL
+
+
 def test_chunk_kernel_batched_gva_fp32():
   """B = 2 lanes, T = 130 (not a chunk multiple), 1 q/k head feeding 2 value heads."""
   q, k, v, g, beta = make_inputs(b=2, t=130, h=1, hv=2, kd=64, vd=64, seed=3)
@@ -242,8 +269,10 @@ def test_prefill_kernels_lower_for_hopper(kd, vdtype):
   x = S((1, 200, 2, kd), jnp.bfloat16)
   args = (x, x, S((1, 200, 2, kd), vdtype), S((1, 200, 2, kd), jnp.float32),
           S((1, 200, 2), jnp.float32))
-  f = lambda *a: chunk_kda(*a, backend="pallas", output_final_state=True, use_qk_l2norm=True)
-  jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+  for every in (None, 64, 100):           # checkpoints: chunk ends, and chunk ends + fp32 tails
+    f = lambda *a, e=every: chunk_kda(*a, backend="pallas", output_final_state=True,
+                                      use_qk_l2norm=True, checkpoint_every=e)
+    jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 # ------------------------------------------------------------------ compiled (GPU)
@@ -261,6 +290,12 @@ def test_gpu_compiled_prefill_matches_reference(kd):
   o, fin = jax.jit(lambda *a: chunk_kda(*a, backend="pallas", **kw))(q, k, v, g, beta)
   o_x, fin_x = jax.jit(lambda *a: chunk_kda(*a, backend="xla", **kw))(q, k, v, g, beta)
   assert rel_err(o, o_x) < PREFILL_TOL and rel_err(fin, fin_x) < PREFILL_TOL
+  for every in (256, 100):                # chunk ends; chunk ends + fp32 tails
+    run = lambda b, e=every: jax.jit(lambda *a: chunk_kda(*a, backend=b, checkpoint_every=e,
+                                                          **kw))(q, k, v, g, beta)[2]
+    ck, ck_x = run("pallas"), run("xla")
+    np.testing.assert_array_equal(np.asarray(ck.offsets), np.asarray(ck_x.offsets))
+    assert rel_err(ck.states, ck_x.states) < PREFILL_TOL
 
 
 @pytest.mark.gpu
