@@ -79,9 +79,14 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
               backend="pallas", interpret=False):
   """Chunked KDA prefill over batched or packed (cu_seqlens) sequences; see module doc."""
   _check_backend(backend)
-  cu_seqlens = as_array(cu_seqlens)
-  t = check_chunk_args(q, k, v, g, beta, initial_state, cu_seqlens, checkpoint_every, CHUNK)[1]
-  if backend == "xla" or t == 0:          # no tokens: no kernel to run, the same empty result
+  q, k, v, g, beta, initial_state, cu_seqlens = map(
+      as_array, (q, k, v, g, beta, initial_state, cu_seqlens))
+  b, t = check_chunk_args(q, k, v, g, beta, initial_state, cu_seqlens, checkpoint_every,
+                          CHUNK)[:2]
+  _check_pallas_dims(backend, q, v)
+  if checkpoint_every is not None:        # longer than every sequence: no checkpoints, same rows
+    checkpoint_every = min(int(checkpoint_every), t + 1)
+  if backend == "xla" or t == 0 or b == 0:   # no tokens: no kernel to run, the same result
     return chunk_kda_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                cu_seqlens=cu_seqlens, output_final_state=output_final_state,
                                use_qk_l2norm=use_qk_l2norm, checkpoint_every=checkpoint_every)
@@ -96,9 +101,11 @@ def kda_decode(q, k, v, g, beta, state_pool, slots, *, scale=None, use_qk_l2norm
                reset=None, backend="pallas", interpret=False):
   """One decode token per row, state read from and written to `state_pool[slots]`."""
   _check_backend(backend)
-  slots, reset = as_array(slots), as_array(reset)
-  check_step_args(q, k, v, g, beta, state_pool, slots, reset, tokens_axis=False)
-  if backend == "xla":
+  q, k, v, g, beta, state_pool, slots, reset = map(
+      as_array, (q, k, v, g, beta, state_pool, slots, reset))
+  n = check_step_args(q, k, v, g, beta, state_pool, slots, reset, tokens_axis=False)[0]
+  _check_pallas_dims(backend, q, v)
+  if backend == "xla" or n == 0:
     return kda_decode_reference(q, k, v, g, beta, state_pool, slots, scale=scale,
                                 use_qk_l2norm=use_qk_l2norm, reset=reset)
   from .kernel import kda_decode_pallas
@@ -110,9 +117,11 @@ def kda_verify(q, k, v, g, beta, state_pool, slots, *, scale=None, use_qk_l2norm
                reset=None, backend="pallas", interpret=False):
   """Ts speculative tokens per row from the slots' states; returns (o, per-token states)."""
   _check_backend(backend)
-  slots, reset = as_array(slots), as_array(reset)
-  check_step_args(q, k, v, g, beta, state_pool, slots, reset, tokens_axis=True)
-  if backend == "xla":
+  q, k, v, g, beta, state_pool, slots, reset = map(
+      as_array, (q, k, v, g, beta, state_pool, slots, reset))
+  n, ts = check_step_args(q, k, v, g, beta, state_pool, slots, reset, tokens_axis=True)[:2]
+  _check_pallas_dims(backend, q, v)
+  if backend == "xla" or n == 0 or ts == 0:
     return kda_verify_reference(q, k, v, g, beta, state_pool, slots, scale=scale,
                                 use_qk_l2norm=use_qk_l2norm, reset=reset)
   from .kernel import kda_verify_pallas
@@ -129,13 +138,24 @@ def kda_commit(state_pool, slots, states, num_accepted):
   Padding rows use slot 0 (dummy). Pure scatter, identical for both backends. Slots and
   num_accepted are range-checked like decode's slots (when concrete).
   """
-  slots, num_accepted = as_array(slots), as_array(num_accepted)
+  state_pool, slots, states, num_accepted = map(as_array, (state_pool, slots, states,
+                                                         num_accepted))
   check_commit_args(state_pool, slots, states, num_accepted)
   n, ts = states.shape[:2]
+  if ts == 0:                             # no tokens verified: every num_accepted is 0
+    return state_pool
   idx = jnp.clip(num_accepted - 1, 0, ts - 1)
   new = states[jnp.arange(n), idx]
   new = jnp.where((num_accepted > 0)[:, None, None, None], new, state_pool[slots])
   return state_pool.at[slots].set(new)
+
+
+def _check_pallas_dims(backend, q, v):
+  """The Pallas kernels' head-size rule, checked on every call (also those with no token to
+  run), so that a backend's accepted shapes do not depend on the batch."""
+  if backend == "pallas":
+    from .kernel import check_kernel_dims
+    check_kernel_dims(q.shape[-1], v.shape[-1])
 
 
 def kda_gate(f, A_log, dt_bias, lower_bound=-5.0, *, backend="pallas"):

@@ -48,14 +48,16 @@ def concrete(x):
 
 
 def as_array(x):
-  """x as an array: a Python list or tuple (of ints or bools) becomes a jax array, anything
-  else (arrays, None) is returned as it is."""
-  return jnp.asarray(x) if isinstance(x, (list, tuple)) else x
+  """x as a jax array (NumPy arrays and Python lists too, with JAX's canonical dtype: a
+  float64 NumPy array is float32 unless x64 is enabled); None stays None, tracers pass."""
+  return None if x is None else jnp.asarray(x)
 
 
 def check_slots(slots, n: int, s: int) -> None:
   """slots: an integer [N] array; when concrete, every value in [0, S) and no real (non-zero)
   slot shared by two rows (slot 0 is the dummy that padding rows share)."""
+  if slots is None:
+    raise ValueError(f"slots must be an integer [N={n}] array, got None")
   if slots.shape != (n,) or not jnp.issubdtype(slots.dtype, jnp.integer):
     raise ValueError(f"slots must be an integer [N={n}] array, got {slots.shape} {slots.dtype}")
   sl = concrete(slots)
@@ -110,6 +112,13 @@ def check_floats(**arrays) -> None:
       raise ValueError(f"{name} must be a floating-point array, got {x.dtype}")
 
 
+def check_head_dims(h: int, hv: int, kd: int, vd: int) -> None:
+  """Heads and head dims must be non-empty (an empty one has no recurrence to run)."""
+  if min(h, hv, kd, vd) < 1:
+    raise ValueError(f"q/k heads H, value heads HV, K and V must all be >= 1, got H={h}, "
+                     f"HV={hv}, K={kd}, V={vd}")
+
+
 def check_chunk_args(q, k, v, g, beta, initial_state, cu_seqlens, checkpoint_every,
                      chunk_size):
   """Validates chunk_kda's arguments; returns (B, T, H, HV, K, V, N)."""
@@ -123,6 +132,7 @@ def check_chunk_args(q, k, v, g, beta, initial_state, cu_seqlens, checkpoint_eve
   if v.shape[:2] != (b, t):
     raise ValueError(f"v must be [B={b}, T={t}, HV, V], got {v.shape}")
   hv, vd = v.shape[2], v.shape[3]
+  check_head_dims(h, hv, kd, vd)
   if hv % h:
     raise ValueError(f"value heads HV={hv} must be a multiple of q/k heads H={h}")
   if g.shape != (b, t, hv, kd):
@@ -141,6 +151,7 @@ def check_chunk_args(q, k, v, g, beta, initial_state, cu_seqlens, checkpoint_eve
     n = cu_seqlens.shape[0] - 1
     cu = concrete(cu_seqlens)
     if cu is not None:
+      cu = cu.astype(np.int64)                  # unsigned differences would wrap, not go < 0
       if cu[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
       if np.any(np.diff(cu) < 0):
@@ -177,6 +188,7 @@ def check_step_args(q, k, v, g, beta, state_pool, slots, reset, *, tokens_axis):
   if v.shape[:lead] != q.shape[:lead]:
     raise ValueError(f"v must be {form}HV, V], got {v.shape}")
   hv, vd = v.shape[-2], v.shape[-1]
+  check_head_dims(h, hv, kd, vd)
   if hv % h:
     raise ValueError(f"value heads HV={hv} must be a multiple of q/k heads H={h}")
   if g.shape != q.shape[:lead] + (hv, kd):

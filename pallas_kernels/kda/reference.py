@@ -215,6 +215,15 @@ def chunk_kda_reference(q, k, v, g, beta, *, scale=None, initial_state=None, cu_
   b, t, _, _ = q.shape
   hv, vd = v.shape[2], v.shape[3]
   kd = q.shape[3]
+  if t == 0:                              # nothing to scan: final states are the initial ones
+    n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    final = (jnp.zeros((n, hv, kd, vd), jnp.float32) if initial_state is None
+             else initial_state.astype(jnp.float32))
+    out = (jnp.zeros(v.shape, v.dtype), final if output_final_state else None)
+    if checkpoint_every:
+      out += (KDACheckpoints(jnp.zeros((0, hv, kd, vd), jnp.float32),
+                             jnp.zeros((n + 1,), jnp.int32)),)
+    return out
   qf, kf = prepare_qk(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm, hv=hv)
   vf, gf, bf = v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32)
   every = checkpoint_every

@@ -296,10 +296,56 @@ def test_bad_input_raises_before_running():
   with pytest.raises(ValueError, match="float32"):
     kda_decode(dq, dk, dv, dg, db, pool.astype(jnp.bfloat16), jnp.array([1, 2], jnp.int32),
                backend="xla")
+  with pytest.raises(ValueError, match="slots must be an integer"):
+    kda_decode(dq, dk, dv, dg, db, pool, None, backend="xla")
+  with pytest.raises(ValueError, match="non-decreasing"):    # unsigned: no wrap-around
+    chunk_kda(q, k, v, g, beta, cu_seqlens=np.array([0, 7, 3, 10], np.uint32), backend="xla")
+  with pytest.raises(ValueError, match="must all be >= 1"):
+    chunk_kda(q[:, :, :0], k[:, :, :0], v, g, beta, backend="xla")
+  with pytest.raises(ValueError, match="must all be >= 1"):
+    kda_decode(dq[..., :0], dk[..., :0], dv, dg[..., :0], db, pool, [1, 2], backend="xla")
+  with pytest.raises(ValueError, match="K == V in"):            # also with no token to run
+    chunk_kda(*make_inputs(t=0, kd=32, vd=32), backend="pallas")
   with pytest.raises(ValueError, match="lower_bound"):
     kda_gate(dg, jnp.zeros(2), jnp.zeros(128), lower_bound=1.0)
   with pytest.raises(ValueError, match="dt_bias"):
     kda_gate(dg, jnp.zeros(2), jnp.zeros((64, 2)))
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_empty_batches_and_host_inputs(backend):
+  """No tokens or no rows give empty outputs and untouched states on both backends (packed
+  prefill of empty sequences, decode / verify of no rows, verify of no tokens); NumPy arrays
+  and lists are taken like jax arrays; a checkpoint interval past int32 gives no checkpoints."""
+  run = dict(backend=backend, interpret=backend == "pallas")
+  init = rand_state(2, 2, 64, 64)
+  o, fin, ck = chunk_kda(*make_inputs(t=0, kd=64, vd=64), cu_seqlens=[0, 0, 0],
+                         initial_state=init, output_final_state=True, checkpoint_every=3, **run)
+  assert o.shape == (1, 0, 2, 64) and ck.states.shape == (0, 2, 64, 64)
+  np.testing.assert_array_equal(np.asarray(fin), np.asarray(init))
+  np.testing.assert_array_equal(np.asarray(ck.offsets), [0, 0, 0])
+  assert chunk_kda(*make_inputs(b=0, t=10, kd=64, vd=64), **run)[0].shape == (0, 10, 2, 64)
+  pool = _pool(3, 2, 64, 64)
+  o, new = kda_decode(*make_inputs(lead=(0,), kd=64, vd=64), pool, np.zeros(0, np.int32), **run)
+  assert o.shape == (0, 2, 64)
+  np.testing.assert_array_equal(np.asarray(new), np.asarray(pool))
+  o, st = kda_verify(*make_inputs(lead=(2, 0), kd=64, vd=64), pool, [1, 2], **run)
+  assert o.shape == (2, 0, 2, 64) and st.shape == (2, 0, 2, 64, 64)
+  np.testing.assert_array_equal(np.asarray(kda_commit(pool, [1, 2], st, [0, 0])),
+                                np.asarray(pool))
+  assert kda_verify(*make_inputs(lead=(0, 3), kd=64, vd=64), pool, np.zeros(0, np.int32),
+                    **run)[1].shape == (0, 3, 2, 64, 64)
+  dq, dk, dv, dg, db = make_inputs(lead=(2,), kd=64, vd=64)
+  o_np, pool_np = kda_decode(*(np.asarray(x) for x in (dq, dk, dv, dg, db)), np.asarray(pool),
+                             [1, 2], **run)
+  o_j, pool_j = kda_decode(dq, dk, dv, dg, db, pool, jnp.array([1, 2], jnp.int32), **run)
+  np.testing.assert_array_equal(np.asarray(o_np), np.asarray(o_j))
+  np.testing.assert_array_equal(np.asarray(pool_np), np.asarray(pool_j))
+  if backend == "xla":
+    q, k, v, g, beta = make_inputs(t=10, kd=64, vd=64)
+    _, _, ck = chunk_kda(q, k, v, g, beta, checkpoint_every=2 ** 40, **run)
+    assert ck.states.shape[0] == 0
+    np.testing.assert_array_equal(np.asarray(ck.offsets), [0, 0])
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])

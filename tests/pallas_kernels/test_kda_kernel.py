@@ -84,6 +84,17 @@ def test_chunk_kernel_checkpoints_inside_chunks(every):
   assert rel_err(ck.states, np.stack([s for per in cc for s in per])) < PREFILL_TOL
 
 
+def test_chunk_kernel_takes_float64_host_inputs():
+  """NumPy float64 inputs are taken as JAX's canonical float32 (x64 off), as the reference
+  takes them: the output is float32, not a float64 the kernels cannot store."""
+  q, k, v, g, beta = (np.asarray(x, np.float64) for x in make_inputs(t=20, kd=64, vd=64))
+  o, fin = chunk_kda(q, k, v, g, beta, output_final_state=True, backend="pallas",
+                     interpret=_interpret())
+  o_x, fin_x = chunk_kda(q, k, v, g, beta, output_final_state=True, backend="xla")
+  assert o.dtype == o_x.dtype == jnp.float32
+  assert rel_err(o, o_x) < PREFILL_TOL and rel_err(fin, fin_x) < PREFILL_TOL
+
+
 def test_chunk_kernel_batched_gva_fp32():
   """B = 2 lanes, T = 130 (not a chunk multiple), 1 q/k head feeding 2 value heads."""
   q, k, v, g, beta = make_inputs(b=2, t=130, h=1, hv=2, kd=64, vd=64, seed=3)
