@@ -133,10 +133,15 @@ def quantize_checkpoint(src, dst, algo: str, exclude: list[str] | tuple = (), pr
     qcfg = QuantConfig(algo, block, written, activation_scheme="dynamic" if algo == "fp8_block" else None)
     chooser = QuantConfig(algo, block, tuple(exclude) + keep)
     tensors = index_checkpoint(src)
-    modules = [m for m in linear_modules(src) if f"{m}.weight" in tensors]
+    linears = linear_modules(src)
+    modules = [m for m in linears if f"{m}.weight" in tensors]
     targets = {m for m in modules if chooser.method_for(m)}
-    problems = [f"--exclude {p!r} matches no linear module (e.g. {modules[0]})" for p in exclude
-                if not any(matches(p, m) for m in modules)]
+    if not modules:
+        problems = [f"none of the model's linear weights is in the checkpoint (e.g. {linears[0]}.weight; "
+                    f"it has {sorted(tensors)[:3]}...): its tensor names do not follow the architecture's"]
+    else:
+        problems = [f"--exclude {p!r} matches no linear module (e.g. {modules[0]})" for p in exclude
+                    if not any(matches(p, m) for m in modules)]
     if not targets and not problems:
         problems.append("every linear module is excluded: nothing to quantize")
     for m in sorted(targets):
@@ -152,28 +157,41 @@ def quantize_checkpoint(src, dst, algo: str, exclude: list[str] | tuple = (), pr
         raise QuantizeError("cannot quantize:\n  " + "\n  ".join(problems))
 
     dst.mkdir(parents=True, exist_ok=True)
-    for old in list(dst.glob("*.safetensors")) + [dst / "model.safetensors.index.json"]:
-        if old.is_file():
-            old.unlink()
     by_file: dict[str, list[str]] = {}
     for name, info in tensors.items():
         by_file.setdefault(info.file.name, []).append(name)
+    # the files are written under temporary names and replace what ``dst`` held only once all
+    # are written: a weight found unfit half way (inf / NaN) leaves ``dst`` as it was
+    partial = {fname: dst / f".{fname}.partial" for fname in by_file}
     weight_map, total = {}, 0
-    for fname, names in sorted(by_file.items()):
-        out: dict[str, np.ndarray] = {}
-        for name in sorted(names, key=lambda n: tensors[n].start):
-            arr = LazyTensor(tensors[name])[...]
-            module, _, suffix = name.rpartition(".")
-            if suffix == "weight" and module in targets:
-                for sfx, q in quantize_tensor(algo, arr).items():
-                    out[f"{module}.{sfx}"] = np.array(q, order="C")        # keeps 0-d scalars 0-d
-                if progress:
-                    print(f"  {module}: {algo}", file=sys.stderr)
-            else:
-                out[name] = np.array(arr, order="C")
-        (dst / fname).write_bytes(save(out, metadata={"format": "pt"}))
-        weight_map.update({n: fname for n in out})
-        total += sum(a.nbytes for a in out.values())
+    try:
+        for fname, names in sorted(by_file.items()):
+            out: dict[str, np.ndarray] = {}
+            for name in sorted(names, key=lambda n: tensors[n].start):
+                arr = LazyTensor(tensors[name])[...]
+                module, _, suffix = name.rpartition(".")
+                if suffix == "weight" and module in targets:
+                    if not np.isfinite(arr.astype(np.float32)).all():
+                        raise QuantizeError(f"{name} holds inf or NaN values, which no scale can represent; "
+                                            f"fix the checkpoint or add --exclude {module}")
+                    for sfx, q in quantize_tensor(algo, arr).items():
+                        out[f"{module}.{sfx}"] = np.array(q, order="C")        # keeps 0-d scalars 0-d
+                    if progress:
+                        print(f"  {module}: {algo}", file=sys.stderr)
+                else:
+                    out[name] = np.array(arr, order="C")
+            partial[fname].write_bytes(save(out, metadata={"format": "pt"}))
+            weight_map.update({n: fname for n in out})
+            total += sum(a.nbytes for a in out.values())
+    except BaseException:
+        for p in partial.values():
+            p.unlink(missing_ok=True)
+        raise
+    for old in list(dst.glob("*.safetensors")) + [dst / "model.safetensors.index.json"]:
+        if old.is_file():
+            old.unlink()
+    for fname, p in partial.items():
+        p.rename(dst / fname)
     if (src / "model.safetensors.index.json").is_file():
         index = {"metadata": {"total_size": int(total)}, "weight_map": dict(sorted(weight_map.items()))}
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
@@ -203,11 +221,12 @@ def _main(argv=None) -> int:
                          "may be repeated")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
+    from kk_jax.checkpoint.safetensors_io import SafetensorsError
     from kk_jax.config import ConfigError
 
     try:
         out = quantize_checkpoint(args.src, args.out, args.algo, args.exclude, progress=not args.quiet)
-    except (QuantizeError, ConfigError, OSError) as e:
+    except (QuantizeError, ConfigError, SafetensorsError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.algo} checkpoint to {out}")

@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from kk_jax.checkpoint.safetensors_io import LazyTensor, index_checkpoint
+from kk_jax.checkpoint.safetensors_io import LazyTensor, SafetensorsError, index_checkpoint
 from kk_jax.parallel.mesh import sharding
 
 FLOAT_CODES = {"F32", "F16", "BF16", "F64"}
@@ -112,7 +112,7 @@ def validate(model_dir: Path, expected: dict, ignore: Sequence[str] = ()) -> dic
     does not serve, e.g. a vision tower) may be present and are skipped."""
     try:
         found = index_checkpoint(model_dir)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, SafetensorsError) as e:
         raise CheckpointError(str(e)) from None
     problems, used = [], set()
     for name, value in expected.items():
@@ -233,7 +233,33 @@ def load_params(model_dir: str | Path, expected: dict, dtype, mesh: Mesh, progre
     for name, spec, st in tqdm(todo, desc="loading weights", unit="tensor", disable=not progress, leave=False):
         read = part_reader(name) if st is None else _stack_reader(st, part_reader)
         out[name] = jax.make_array_from_callback(tuple(spec.shape), sharding(mesh, spec.axes or ()), read)
+    check_scales(out, model_dir)
     return out
+
+
+SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "weight_scale_2", "input_scale")
+
+
+def check_scales(params: dict[str, jax.Array], model_dir) -> None:
+    """CheckpointError naming every quantization scale parameter (``Linear`` ``.weight_scale``
+    ..., stacked experts' ``{proj}_weight_scale`` ...) that holds a value no weight can be
+    scaled by: an E8M0 byte 255 (the format's NaN) or a non-finite float (e4m3 NaN, fp32 inf or
+    NaN), which would turn every output of its layer into NaN. One reduction a scale tensor,
+    compiled together; scales are 1/16 of a layer's weight bytes or fewer."""
+    names = [n for n in params if n.endswith(SCALE_SUFFIXES)]
+    if not names:
+        return
+
+    def invalid(x):
+        if x.dtype == jnp.uint8:
+            return jnp.any(x == 255)
+        return jnp.any(~jnp.isfinite(x.astype(jnp.float32)))
+
+    flags = np.asarray(jax.jit(lambda xs: jnp.stack([invalid(x) for x in xs]))([params[n] for n in names]))
+    bad = [n for n, f in zip(names, flags) if f]
+    if bad:
+        raise CheckpointError(f"checkpoint {model_dir} has quantization scales that are not numbers (E8M0 byte "
+                              f"255, or inf / NaN) in {len(bad)} parameters: {', '.join(bad)}")
 
 
 def _names(stack: Stack):

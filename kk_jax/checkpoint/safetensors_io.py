@@ -32,17 +32,47 @@ class TensorInfo:
     end: int
 
 
+class SafetensorsError(ValueError):
+    """A safetensors file that cannot be read as one (truncated, corrupt or of an unknown
+    dtype); the message names the file and, where it can, the tensor."""
+
+
 def read_header(path: Path) -> dict[str, TensorInfo]:
+    """The tensors of one safetensors file, each checked to lie inside the file with exactly
+    the bytes its dtype and shape need (a truncated or corrupt file fails here, by name,
+    instead of at the first read of its data)."""
+    size = path.stat().st_size
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if n is None or n > size - 8:
+            raise SafetensorsError(f"{path}: not a safetensors file (its {size} bytes hold no "
+                                   "complete header)")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise SafetensorsError(f"{path}: corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{path}: corrupt safetensors header (not a JSON object)")
     base = 8 + n
     out = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        s, e = meta["data_offsets"]
-        out[name] = TensorInfo(name, path, meta["dtype"], tuple(meta["shape"]), base + s, base + e)
+        try:
+            s, e = (int(x) for x in meta["data_offsets"])
+            dtype, shape = meta["dtype"], tuple(int(d) for d in meta["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise SafetensorsError(f"{path}: corrupt header entry for tensor {name}: {meta!r}") from None
+        if dtype not in DTYPES:
+            raise SafetensorsError(f"{path}: tensor {name} has dtype {dtype}, which kk_jax does not "
+                                   f"read (known: {', '.join(DTYPES)})")
+        need = int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
+        if not 0 <= s <= e <= size - base or e - s != need:
+            raise SafetensorsError(f"{path}: tensor {name} ({dtype} {list(shape)}, {need} bytes) has "
+                                   f"data offsets [{s}, {e}) outside the file's {size - base} data "
+                                   "bytes or of the wrong length (truncated or corrupt file)")
+        out[name] = TensorInfo(name, path, dtype, shape, base + s, base + e)
     return out
 
 

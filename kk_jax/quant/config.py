@@ -126,8 +126,12 @@ def _modelopt(algo: str | None, exclude: list[str], group: Any, source: str) -> 
 
 def parse(config: dict, hf_quant: dict | None, where: str = "") -> QuantConfig | None:
     """QuantConfig from a parsed config.json and hf_quant_config.json (either may lack it)."""
+    for name, doc in (("config.json", config), ("hf_quant_config.json", hf_quant)):
+        if doc is not None and not isinstance(doc, dict):
+            raise ConfigError(f"{where}{name} must be a JSON object, got {type(doc).__name__}")
     qc = config.get("quantization_config")
     from_config = None
+    algo_elsewhere = None        # config.json says ModelOpt, its exclusions, and leaves quant_algo to the file
     if qc is not None:
         if not isinstance(qc, dict):
             raise ConfigError(f"{where}config.json quantization_config must be an object, got {type(qc).__name__}")
@@ -152,7 +156,11 @@ def parse(config: dict, hf_quant: dict | None, where: str = "") -> QuantConfig |
                                       activation_scheme=qc.get("activation_scheme"),
                                       source=f"{where}config.json")
         elif method.startswith("modelopt"):
-            from_config = _modelopt(*_modelopt_algo(qc), source=f"{where}config.json quantization_config")
+            algo, exclude, group = _modelopt_algo(qc)
+            if algo is None and hf_quant is not None:
+                algo_elsewhere = exclude
+            else:
+                from_config = _modelopt(algo, exclude, group, source=f"{where}config.json quantization_config")
         else:
             raise ConfigError(f"{where}config.json declares quant_method {qc.get('quant_method')!r}, which is not "
                               "supported; supported: 'fp8' with weight_block_size (block FP8) and 'modelopt' "
@@ -164,6 +172,10 @@ def parse(config: dict, hf_quant: dict | None, where: str = "") -> QuantConfig |
             raise ConfigError(f"{where}hf_quant_config.json has no quantization.quant_algo")
         if algo is not None:
             from_file = _modelopt(algo, exclude, group, source=f"{where}hf_quant_config.json")
+    if algo_elsewhere is not None:      # (from_file is set: a file without quant_algo raised above)
+        from_file = dataclasses.replace(
+            from_file, exclude=tuple(dict.fromkeys(from_file.exclude + tuple(algo_elsewhere))),
+            source=f"{from_file.source} + {where}config.json")
     if from_config is not None and from_file is not None:
         if from_config.method != from_file.method:
             raise ConfigError(f"{where}config.json quantization_config says {from_config.method} but "
@@ -192,13 +204,13 @@ def detect_with_names(model_dir) -> tuple[QuantConfig | None, set[str] | None]:
     """(:func:`detect` of ``model_dir`` or None for no directory, the checkpoint's tensor names
     when it is quantized): the names decide block-FP8 membership and which optional tensors
     (NVFP4's ``input_scale``) the layers declare. Names are None when the checkpoint is not
-    quantized or its files are missing (the loader reports those)."""
+    quantized or its files are missing or unreadable (the loader reports those)."""
     qcfg = detect(model_dir) if model_dir is not None else None
     if qcfg is None:
         return None, None
-    from kk_jax.checkpoint.safetensors_io import index_checkpoint
+    from kk_jax.checkpoint.safetensors_io import SafetensorsError, index_checkpoint
 
     try:
         return qcfg, set(index_checkpoint(model_dir))
-    except FileNotFoundError:
+    except (FileNotFoundError, SafetensorsError):
         return qcfg, None

@@ -21,9 +21,10 @@ Scale selection (``quantize``) is ModelOpt's dynamic-weight rule:
 takes 1.0; 2^-9 is e4m3's smallest subnormal, so a tiny block never gets scale 0); values
 are ``w / (float(weight_scale) * weight_scale_2)`` rounded to E2M1 with ModelOpt's
 thresholds ``[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5]`` (a value is counted above every
-threshold it strictly exceeds) plus its tie adjustment that rounds 0.75, 1.75 and 2.5 *up*.
-That is not round-to-nearest-even at 2.5 (-> 3) and 3.5 (-> 3); we copy it so the bytes
-match ModelOpt's. A tensor of zeros gets ``weight_scale_2 = 1`` (ModelOpt would divide by 0).
+threshold it strictly exceeds) plus its tie adjustment that rounds a value equal to the
+thresholds at indices 1, 3 and 5 (0.75, 1.75, 3.5) *up*: round-to-nearest-even on the codes
+(2.5 -> 2, 3.5 -> 4, 5 -> 4; ModelOpt's source comment names 2.5, but its index 5 is 3.5).
+A tensor of zeros gets ``weight_scale_2 = 1`` (ModelOpt would divide by 0).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-_ROUND_UP_TIES = (0.75, 1.75, 2.5)
+_ROUND_UP_TIES = (0.75, 1.75, 3.5)      # _BOUNDS[1], [3], [5]
 
 
 def e2m1_codes(x):
@@ -65,9 +66,12 @@ def unpack(packed):
 
 @jax.jit
 def global_scale(w):
-    """``weight_scale_2 = amax / (6 * 448)`` (1.0 for an all-zero tensor)."""
+    """``weight_scale_2 = amax / (6 * 448)`` (1.0 for an all-zero tensor), at least fp32's
+    smallest normal: a tensor whose amax is below ~3e-35 would otherwise get a subnormal scale
+    that XLA flushes to 0 on some devices, and every value would dequantize to 0 * inf = NaN."""
     amax = jnp.max(jnp.abs(jnp.asarray(w, jnp.float32)))
-    return jnp.where(amax > 0, amax / jnp.float32(E2M1_MAX * E4M3_MAX), 1.0).astype(jnp.float32)
+    s2 = jnp.maximum(amax / jnp.float32(E2M1_MAX * E4M3_MAX), jnp.finfo(jnp.float32).tiny)
+    return jnp.where(amax > 0, s2, 1.0).astype(jnp.float32)
 
 
 def quantize(w, weight_scale_2=None):

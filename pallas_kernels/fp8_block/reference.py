@@ -30,6 +30,8 @@ def validate(x, w_q, w_scale_inv, block=DEFAULT_BLOCK) -> None:
     n, k = w_q.shape
     if jnp.dtype(w_q.dtype) != jnp.dtype(jnp.float8_e4m3fn):
         raise ValueError(f"w_q must be float8_e4m3fn, got {w_q.dtype}")
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise ValueError(f"block must be two positive ints (rows, columns), got {block!r}")
     want = (math.ceil(n / block[0]), math.ceil(k / block[1]))
     if tuple(w_scale_inv.shape) != want:
         raise ValueError(f"w_scale_inv has shape {list(w_scale_inv.shape)}, expected {list(want)} for w_q "

@@ -8,7 +8,8 @@
            for consecutive rows are contiguous: a K step's scales are one TMA tile; where
            N == K/32 the checkpoint's layout has the same shape and no check can tell them
            apart: pass ``weight_scale.T``, as the loader stores it):
-           w[n, k] = w_q[n, k] * 2^(w_scale[k // 32, n] - 127)
+           w[n, k] = w_q[n, k] * 2^(w_scale[k // 32, n] - 127); byte 255 (E8M0's NaN) is no
+           scale: these kernels read it as 2^128 (the model loader refuses it)
   returns  [..., N]  out_dtype (default x.dtype), fp32 accumulation
   wide_scales  whether some E8M0 byte exceeds 134 (a 32-block whose largest weight passes 2^16):
            the mma GEMV cannot take those, so such calls run the engine; None reads it from

@@ -178,6 +178,9 @@ def test_bad_operands_are_named():
         matmul(x, wq, ws.astype(jnp.bfloat16), backend="pallas", interpret=True)
     with pytest.raises(ValueError, match="support 128x128 weight blocks"):
         matmul(x, wq, jnp.ones((1, 4), jnp.float32), block=(64, 64), backend="pallas")
+    for block in ((0, 128), (128,), (128.0, 128)):
+        with pytest.raises(ValueError, match="block must be two positive ints"):
+            matmul(x, wq, ws, block=block, backend="xla")
 
 
 @pytest.mark.parametrize("m", [1, 2048])

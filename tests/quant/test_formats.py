@@ -114,13 +114,37 @@ def test_nvfp4_known_bytes():
     q, s, s2 = nvfp4.quantize(w)
     assert float(s2) == 1.0 and q.dtype == jnp.uint8 and q.shape == (1, 16)
     np.testing.assert_array_equal(u8(s), [[0x38, 0x7E]])          # block scales 1.0 and 448
-    # block a codes (ModelOpt thresholds, ties 0.75/1.75/2.5 up): 0 2 5 5 6 15 3 0 0 9 2 4 0 6 5 10
+    # block a codes (ModelOpt thresholds, ties 0.75/1.75/3.5 up, i.e. to the even code):
+    # 0 2 4 6 6 15 3 0 0 9 2 4 0 6 5 10
     # block b: 2688/448 = 6 -> 7, -1344/448 = -3 -> 13; two codes per byte, element 2i low
-    np.testing.assert_array_equal(u8(q)[0], [0x20, 0x55, 0xF6, 0x03, 0x90, 0x42, 0x60, 0xA5,
+    np.testing.assert_array_equal(u8(q)[0], [0x20, 0x64, 0xF6, 0x03, 0x90, 0x42, 0x60, 0xA5,
                                              0xD7, 0, 0, 0, 0, 0, 0, 0])
     back = np.asarray(nvfp4.dequantize(q, s, s2))[0]
-    np.testing.assert_array_equal(back[:8], [0.0, 1.0, 3.0, 3.0, 4.0, -6.0, 1.5, 0.0])
+    np.testing.assert_array_equal(back[:8], [0.0, 1.0, 2.0, 4.0, 4.0, -6.0, 1.5, 0.0])
     np.testing.assert_array_equal(back[16:18], [2688.0, -1344.0])
+
+
+def test_nvfp4_ties_round_to_the_even_code():
+    """A value halfway between two E2M1 values takes the even code (ModelOpt's rule), and
+    values just off the midpoint take the nearer one."""
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+    for sign in (1.0, -1.0):
+        codes = np.asarray(nvfp4.e2m1_codes(sign * mids))
+        np.testing.assert_array_equal(codes & 7, [0, 2, 2, 4, 4, 6, 6])
+        np.testing.assert_array_equal(np.asarray(nvfp4.e2m1_codes(sign * (mids - 1e-3))) & 7,
+                                      [0, 1, 2, 3, 4, 5, 6])
+        np.testing.assert_array_equal(np.asarray(nvfp4.e2m1_codes(sign * (mids + 1e-3))) & 7,
+                                      [1, 2, 3, 4, 5, 6, 7])
+
+
+def test_nvfp4_tiny_tensor_keeps_a_normal_global_scale():
+    """amax far below fp32's normal range: the global scale stays normal (a subnormal one is
+    flushed to 0 on some devices, and 0 * inf dequantizes to NaN); values come back finite."""
+    w = np.full((1, 32), 1e-36, np.float32)
+    q, s, s2 = nvfp4.quantize(w)
+    assert float(s2) == np.finfo(np.float32).tiny
+    back = np.asarray(nvfp4.dequantize(q, s, s2))
+    assert np.isfinite(back).all() and np.allclose(back, 1e-36, rtol=0.25)
 
 
 def test_nvfp4_pack_unpack_every_byte():

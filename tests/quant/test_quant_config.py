@@ -36,6 +36,10 @@ def test_modelopt_spellings_agree():
     assert both.method == "mxfp8" and set(both.exclude) == {"lm_head", "model.layers.1*"}
     assert parse({"quantization_config": {"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4"}}, None).method \
         == "nvfp4"
+    # config.json may say ModelOpt and leave quant_algo to hf_quant_config.json; its exclusions count
+    only_method = {"quantization_config": {"quant_method": "modelopt", "ignore": ["model.layers.1*"]}}
+    split = parse(only_method, hq)
+    assert split.method == "mxfp8" and set(split.exclude) == {"lm_head", "model.layers.1*"}
 
 
 def test_exclusion_patterns():
@@ -66,6 +70,10 @@ def test_exclusion_patterns():
     ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
                               "modules_to_not_convert": "model.layers.0"}}, None,
      "modules_to_not_convert must be a list of module-name patterns"),
+    ({"quantization_config": {"quant_method": "modelopt"}}, None, "gives no quant_algo"),
+    ({"quantization_config": {"quant_method": "modelopt"}}, {"quantization": {}}, "has no quantization.quant_algo"),
+    ({}, ["NVFP4"], "hf_quant_config.json must be a JSON object, got list"),
+    ([], None, "config.json must be a JSON object, got list"),
 ])
 def test_bad_quantization_configs(config, hq, msg):
     with pytest.raises(ConfigError, match=msg):

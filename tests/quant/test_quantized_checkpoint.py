@@ -193,6 +193,37 @@ def test_nvfp4_input_scales_are_accepted(quantized, tmp_path):
     assert got == LLM(quantized["nvfp4"], **SMALL).generate([PROMPT], params)[0].token_ids
 
 
+@pytest.mark.parametrize("algo,name,bad", [
+    ("mxfp8", f"{Q_PROJ}.weight_scale", 255),                  # E8M0's NaN byte
+    ("fp8_block", f"{Q_PROJ}.weight_scale_inv", np.nan),
+    ("nvfp4", "model.layers.1.self_attn.q_proj.weight_scale_2", np.inf),
+])
+def test_scales_that_are_not_numbers_are_refused_at_load(quantized, tmp_path, algo, name, bad):
+    from safetensors.numpy import save
+
+    ckpt = shutil.copytree(quantized[algo], tmp_path / "ckpt")
+    tensors = {n: LazyTensor(i)[...] for n, i in index_checkpoint(ckpt).items()}
+    tensors[name] = scale = tensors[name].copy()
+    scale.reshape(-1)[0] = bad
+    (ckpt / "model.safetensors").write_bytes(save(tensors))
+    with pytest.raises(CheckpointError, match=r"quantization scales that are not numbers .* in 1 parameters: "
+                                              r"model\.layers\.\d\.self_attn\.\w+_proj\.weight_scale"):
+        LLM(ckpt, **SMALL)
+
+
+def test_truncated_or_corrupt_safetensors_name_the_file(tiny_ckpt, tmp_path, capsys):
+    ckpt = shutil.copytree(tiny_ckpt, tmp_path / "ckpt")
+    data = (ckpt / "model.safetensors").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor \S+ .*truncated or corrupt file"):
+        LLM(ckpt, **SMALL)
+    assert quantize_main(["--in", str(ckpt), "--out", str(tmp_path / "q"), "--algo", "mxfp8", "--quiet"]) == 2
+    assert "truncated or corrupt file" in capsys.readouterr().err
+    (ckpt / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="model.safetensors: not a safetensors file"):
+        LLM(ckpt, **SMALL)
+
+
 def test_unknown_quant_algo_is_a_config_error(tiny_ckpt, tmp_path):
     ckpt = shutil.copytree(tiny_ckpt, tmp_path / "ckpt")
     (ckpt / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "INT4_AWQ"}}))
@@ -237,6 +268,29 @@ def test_cli_excludes_and_bad_input(tiny_ckpt, tmp_path, capsys):
     assert "every linear module is excluded: nothing to quantize" in err
     assert "is not a Hugging Face checkpoint directory (no config.json)" in err
     assert "exists and is not a directory" in err
+
+
+def test_cli_refuses_non_finite_weights_and_unknown_names_keeping_the_output(tiny_ckpt, tmp_path, capsys):
+    """A weight holding inf / NaN, or tensor names that are not the architecture's: exit status
+    2 and the reason; an output directory that held a checkpoint keeps it, byte for byte."""
+    from safetensors.numpy import save
+
+    out = tmp_path / "q"
+    assert quantize_main(["--in", str(tiny_ckpt), "--out", str(out), "--algo", "nvfp4", "--quiet"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    bad = shutil.copytree(tiny_ckpt, tmp_path / "bad")
+    tensors = {n: LazyTensor(i)[...] for n, i in index_checkpoint(bad).items()}
+    tensors["model.layers.1.mlp.down_proj.weight"] = w = tensors["model.layers.1.mlp.down_proj.weight"].copy()
+    w[3, 5] = np.inf
+    (bad / "model.safetensors").write_bytes(save(tensors))
+    assert quantize_main(["--in", str(bad), "--out", str(out), "--algo", "mxfp8", "--quiet"]) == 2
+    assert ("model.layers.1.mlp.down_proj.weight holds inf or NaN values" in capsys.readouterr().err)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    renamed = {n.replace("model.", "model.language_model.", 1): t for n, t in tensors.items()}
+    (bad / "model.safetensors").write_bytes(save(renamed))
+    assert quantize_main(["--in", str(bad), "--out", str(tmp_path / "q2"), "--algo", "mxfp8", "--quiet",
+                          "--exclude", "model.language_model.layers.0.mlp*"]) == 2
+    assert "none of the model's linear weights is in the checkpoint" in capsys.readouterr().err
 
 
 def test_fp8_activations_switch_block_fp8_linears_to_w8a8(quantized, tiny_ckpt):
