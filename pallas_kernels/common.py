@@ -18,6 +18,23 @@ CTA_SMEM_RESERVE = 2 * 1024  # what each resident CTA takes of it besides its ow
                              # Mosaic's barriers and alignment
 
 
+def check_matmul_io(x, out_dtype) -> None:
+    """ValueError unless the activations ``x`` are floating point (they enter the tensor cores
+    as bf16) and ``out_dtype``, when given, is a floating type: an integer x or result has no
+    meaning for a quantized-weight matmul."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"x must be a floating-point array (bf16 or f32), got {x.dtype}")
+    if out_dtype is not None and not jnp.issubdtype(jnp.dtype(out_dtype), jnp.floating):
+        raise ValueError(f"out_dtype must be a floating type, got {jnp.dtype(out_dtype)}")
+
+
+def no_rows(x, n: int, out_dtype):
+    """The product of an ``x`` without rows (a zero-size leading dimension) with an [N, K]
+    weight: zeros [..., N] in ``out_dtype`` (default x's), without launching a kernel on an
+    empty grid."""
+    return jnp.zeros(x.shape[:-1] + (n,), out_dtype or x.dtype)
+
+
 def product_dtype(out_dtype):
     """The result type to ask of XLA's dot when the product is wanted in ``out_dtype``: bf16 and
     fp32 as they are (XLA sums in fp32 either way and rounds once, bit for bit the fp32 result

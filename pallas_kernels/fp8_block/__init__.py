@@ -23,8 +23,10 @@ interpret=True runs ``kernel.py``'s forms on CPU; 128x128 blocks only).
 
 from __future__ import annotations
 
+from pallas_kernels.common import check_matmul_io, no_rows
+
 from .kernel import check_block, matmul_kernel
-from .reference import DEFAULT_BLOCK, dequantize_bf16, matmul_reference, quantize_activations
+from .reference import DEFAULT_BLOCK, dequantize_bf16, matmul_reference, quantize_activations, validate
 
 BACKENDS = ("pallas", "xla")
 
@@ -32,9 +34,14 @@ BACKENDS = ("pallas", "xla")
 def matmul(x, w_q, w_scale_inv, *, block=DEFAULT_BLOCK, act_quant=False, backend="pallas", out_dtype=None,
            interpret=False):
     """See the module docstring."""
+    check_matmul_io(x, out_dtype)
     if backend == "xla":
         return matmul_reference(x, w_q, w_scale_inv, block=block, act_quant=act_quant, out_dtype=out_dtype)
     if backend == "pallas":
+        if x.size == 0:
+            validate(x, w_q, w_scale_inv, block)
+            check_block(block)
+            return no_rows(x, w_q.shape[0], out_dtype)
         return matmul_kernel(x, w_q, w_scale_inv, block=block, act_quant=act_quant, out_dtype=out_dtype,
                              interpret=interpret)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -13,7 +13,8 @@ its quantized bytes: decode at batch 1 reads k experts, never the whole layer.
 Operands, E experts stacked, weights in the checkpoint's ``[out, in]`` orientation and the
 per-block scales of MXFP8 / NVFP4 transposed (``[in / block, out]``: one K block's scales for
 64 consecutive rows are contiguous, so a K step's scales are one TMA tile); N a multiple of 64
-(block FP8: 128), K a multiple of 64 for MXFP8 / NVFP4 (the kernel does not pad K):
+(block FP8: 128), K a multiple of 64 (MXFP8), 128 (NVFP4) or 32 (block FP8): the kernel does not
+pad K, and both backends apply these rules (``reference.check_tiles``):
 
   nvfp4      w uint8 [E, N, K/2]; scales (weight_scale e4m3 [E, K/16, N], weight_scale_2 f32 [E])
   mxfp8      w e4m3  [E, N, K];   scales (weight_scale uint8 E8M0 [E, K/32, N],)
@@ -22,7 +23,9 @@ per-block scales of MXFP8 / NVFP4 transposed (``[in / block, out]``: one K block
 returns [T·bm, N] ``out_dtype`` (fp32 accumulation); rows of skipped tiles are unspecified
 (they are never gathered), rows of padding slots are zero. ``expert_offset`` (traced int32)
 adds to every tile's expert: the weights may hold several layers' experts ``[L·E, ...]``
-(a scanned layer group) and a call uses layer l's with offset l·E, without slicing them.
+(a scanned layer group) and a call uses layer l's with offset l·E, without slicing them. A
+tile whose expert, offset, falls outside the stacked experts is skipped like a -1 tile.
+No tiles (T = 0) give an empty result.
 
 backend="pallas": the Mosaic GPU engine of ``pallas_kernels/mxfp8/wdequant.py`` with an expert
 per row tile (interpret=True runs it on CPU); backend="xla": the jnp twin (dequantize each
@@ -33,6 +36,8 @@ weight-streaming GEMV per token-slot (``routed_gemv.py``).
 """
 
 from __future__ import annotations
+
+from pallas_kernels.common import check_matmul_io, no_rows
 
 from .kernel import grouped_matmul_kernel
 from .reference import FORMATS, grouped_matmul_reference, validate
@@ -46,6 +51,10 @@ BACKENDS = ("pallas", "xla")
 def grouped_matmul(x_rows, tile_expert, fmt, w, *scales, expert_offset=0, backend="pallas", out_dtype=None,
                    interpret=False):
     """See the module docstring."""
+    check_matmul_io(x_rows, out_dtype)
+    if tile_expert.shape[:1] == (0,):                  # no tiles: no kernel to launch
+        validate(x_rows, tile_expert, fmt, w, *scales)
+        return no_rows(x_rows, w.shape[1], out_dtype)
     if backend == "xla":
         return grouped_matmul_reference(x_rows, tile_expert, fmt, w, *scales, expert_offset=expert_offset,
                                         out_dtype=out_dtype)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.common import check_matmul_io, no_rows
 from pallas_kernels.fp8_block import gemv as fp8_block_gemv
 from pallas_kernels.mxfp8 import gemv as mxfp8_gemv
 from pallas_kernels.nvfp4 import gemv as nvfp4_gemv
@@ -34,8 +35,11 @@ def supported(fmt: str, n: int, k: int) -> bool:
 def routed_gemv(x, experts, fmt, w, *scales, expert_offset=0, out_dtype=None, interpret=False):
     """x [P, K] (one row per token-slot), experts [P] int32 (each in [0, E)) -> [P, N] out_dtype
     (default x's). ``expert_offset`` as in ``grouped_matmul``: added to every expert index."""
+    check_matmul_io(x, out_dtype)
     validate(x, experts, fmt, w, *scales)
     n, k = w.shape[1], x.shape[1]
+    if x.shape[0] == 0:                                # no token-slots: no kernel to launch
+        return no_rows(x, n, out_dtype)
     if not supported(fmt, n, k):
         raise ValueError(f"routed_gemv: {fmt} experts of [{n}, {k}] do not fit the row GEMV")
     e = (experts + jnp.asarray(expert_offset, jnp.int32)).astype(jnp.int32)

@@ -23,17 +23,23 @@ runs them on CPU). Chosen once per server.
 
 from __future__ import annotations
 
+from pallas_kernels.common import check_matmul_io, no_rows
+
 from .kernel import matmul_kernel
-from .reference import dequantize_bf16, matmul_reference
+from .reference import dequantize_bf16, matmul_reference, validate
 
 BACKENDS = ("pallas", "xla")
 
 
 def matmul(x, w_q, w_scale, w_scale_2, *, backend="pallas", out_dtype=None, interpret=False):
     """See the module docstring."""
+    check_matmul_io(x, out_dtype)
     if backend == "xla":
         return matmul_reference(x, w_q, w_scale, w_scale_2, out_dtype=out_dtype)
     if backend == "pallas":
+        if x.size == 0:
+            validate(x, w_q, w_scale, w_scale_2)
+            return no_rows(x, w_q.shape[0], out_dtype)
         return matmul_kernel(x, w_q, w_scale, w_scale_2, out_dtype=out_dtype, interpret=interpret)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 

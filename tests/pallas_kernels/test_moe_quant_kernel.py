@@ -123,6 +123,34 @@ def test_bad_operands_are_named():
         grouped_matmul(x, te, "nvfp4", ops[0], ops[1][:, :2], ops[2], backend="pallas")
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_both_backends_apply_the_same_rules(backend):
+    """Shapes the kernel cannot tile are refused by the jnp twin too; T = 0 tiles give an empty
+    result; a tile whose expert (after the offset) is outside the stacked experts is skipped
+    like a -1 tile, and the other tiles are unaffected; integer activations are refused."""
+    run = dict(backend=backend, interpret=True, out_dtype=jnp.float32)
+    ops, dense = experts("nvfp4", 2, 64, 256)
+    te = jnp.zeros((1,), jnp.int32)
+    bad = {"K % 128 == 0": (jnp.zeros((8, 192)), te, experts("nvfp4", 2, 64, 192)[0]),
+           "N % 64 == 0": (jnp.zeros((8, 256)), te, experts("nvfp4", 2, 96, 256)[0]),
+           "row tiles of 12 rows": (jnp.zeros((12, 256)), te, ops),
+           r"weight_scale_2 must be \[E=2\]": (jnp.zeros((8, 256)), te, (*ops[:2], ops[2][:, None])),
+           "tile_expert must be an int32 \[T\]": (jnp.zeros((8, 256)), te[:, None], ops)}
+    for msg, (x, t, o) in bad.items():
+        with pytest.raises(ValueError, match=msg):
+            grouped_matmul(x, t, "nvfp4", *o, **run)
+    with pytest.raises(ValueError, match="x must be a floating-point array"):
+        grouped_matmul(jnp.zeros((8, 256), jnp.int32), te, "nvfp4", *ops, **run)
+    assert grouped_matmul(jnp.zeros((0, 256)), te[:0], "nvfp4", *ops, **run).shape == (0, 64)
+    x = np.random.default_rng(1).standard_normal((16, 256)).astype(np.float32)
+    for tiles, offset in (([1, 5], 0), ([1, 0], -1)):      # past the last expert; below the first
+        y = np.asarray(grouped_matmul(jnp.asarray(x), jnp.asarray(tiles, jnp.int32), "nvfp4", *ops,
+                                      expert_offset=jnp.int32(offset), **run))
+        assert orc.rel_err(y[:8], orc.matmul(x[:8], dense[1 + offset])) < 1e-5
+        if backend == "xla":                                 # the kernel leaves skipped rows unspecified
+            np.testing.assert_array_equal(y[8:], 0.0)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
 @pytest.mark.parametrize("rows", [9 * 8, 352 * 8])
 def test_lowers_for_hopper(rows, fmt):
