@@ -100,8 +100,9 @@ def _modelopt_algo(d: dict) -> tuple[str | None, list[str], Any]:
     """(quant_algo, exclusions, group_size) from either ModelOpt spelling."""
     inner = d.get("quantization") if isinstance(d.get("quantization"), dict) else d
     algo = inner.get("quant_algo")
-    exclude = _patterns(inner.get("exclude_modules") or inner.get("ignore") or d.get("ignore") or [],
-                        "exclude_modules/ignore")
+    exclude = [p for lst in (inner.get("exclude_modules"), inner.get("ignore"), d.get("ignore"))
+               for p in _patterns(lst or [], "exclude_modules/ignore")]
+    exclude = list(dict.fromkeys(exclude))              # every list given, in order, once
     return (str(algo).upper() if algo else None), exclude, inner.get("group_size")
 
 
@@ -172,6 +173,10 @@ def parse(config: dict, hf_quant: dict | None, where: str = "") -> QuantConfig |
             raise ConfigError(f"{where}hf_quant_config.json has no quantization.quant_algo")
         if algo is not None:
             from_file = _modelopt(algo, exclude, group, source=f"{where}hf_quant_config.json")
+        elif exclude:                   # the file only adds exclusions to config.json's method
+            from_config = dataclasses.replace(
+                from_config, exclude=tuple(dict.fromkeys(from_config.exclude + tuple(exclude))),
+                source=f"{from_config.source} + {where}hf_quant_config.json")
     if algo_elsewhere is not None:      # (from_file is set: a file without quant_algo raised above)
         from_file = dataclasses.replace(
             from_file, exclude=tuple(dict.fromkeys(from_file.exclude + tuple(algo_elsewhere))),
@@ -188,8 +193,10 @@ def parse(config: dict, hf_quant: dict | None, where: str = "") -> QuantConfig |
 
 def matches(pattern: str, module: str) -> bool:
     """Whether an exclusion pattern names ``module``: the exact name, a parent module
-    (``model.layers.0``) or an ``fnmatch`` wildcard pattern."""
-    return module == pattern or module.startswith(pattern + ".") or fnmatch.fnmatchcase(module, pattern)
+    (``model.layers.0``) or an ``fnmatch`` wildcard pattern of the module or of a parent
+    (``model.layers.*.self_attn`` names every layer's attention projections)."""
+    return (module == pattern or module.startswith(pattern + ".") or fnmatch.fnmatchcase(module, pattern)
+            or fnmatch.fnmatchcase(module, pattern + ".*"))
 
 
 def detect(model_dir: str | Path) -> QuantConfig | None:

@@ -51,6 +51,19 @@ def test_exclusion_patterns():
     assert not q.is_excluded("model.layers.0.self_attn_extra.q_proj")  # a prefix that is not a parent
     assert q.is_excluded("lm_head")                                   # output heads never quantized
     assert q.method_for("model.layers.1.mlp.up_proj") == "mxfp8"
+    wild = QuantConfig("mxfp8", (1, 32), ("model.layers.*.self_attn",))       # a wildcard parent
+    assert wild.is_excluded("model.layers.3.self_attn.k_proj") and wild.is_excluded("model.layers.3.self_attn")
+    assert not wild.is_excluded("model.layers.3.mlp.up_proj")
+
+
+def test_every_exclusion_list_counts():
+    """Both spellings in one document, and exclusions in an hf_quant_config.json that leaves the
+    method to config.json: none is dropped."""
+    both = {"quantization": {"quant_algo": "NVFP4", "exclude_modules": ["lm_head"], "ignore": ["*.v_proj"]}}
+    assert set(parse({}, both).exclude) == {"lm_head", "*.v_proj"}
+    flat = {"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": ["a"]}}
+    q = parse(flat, {"quantization": {"exclude_modules": ["b"]}})
+    assert q.method == "nvfp4" and set(q.exclude) == {"a", "b"}
 
 
 @pytest.mark.parametrize("config,hq,msg", [

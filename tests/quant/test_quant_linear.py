@@ -172,6 +172,23 @@ def test_fused_mix_of_mxfp8_and_unquantized_is_rejected_before_loading(tmp_path)
     assert "nothing was loaded" in msg
 
 
+def test_every_layer_problem_is_reported_together():
+    """A layer whose shape the format cannot block does not hide a fused layer's format mix."""
+
+    class Both(nnx.Module):
+        def __init__(self, dtype):
+            self.kv = KVFeatures(dtype).kv
+            self.odd = Linear(48, 64, dtype, axes=("embed", "mlp"))
+
+    q = QuantConfig("mxfp8", (1, 32), ("model.layers.1.self_attn.v_proj",))
+    with pytest.raises(QuantLayoutError) as e:
+        nnx.eval_shape(lambda: quantize_linears(Both(jnp.bfloat16), q))
+    msg = str(e.value)
+    assert msg.startswith("2 layer(s) cannot take the checkpoint's quantization")
+    assert "kv: cannot fuse MXFP8 and non-MXFP8 members along N" in msg
+    assert "odd: MXFP8 needs in_features to be a multiple of 32, got 48" in msg
+
+
 def test_fused_block_fp8_membership_follows_tensors():
     q = QuantConfig("fp8_block", (128, 128), by_tensors=True)
     names = {f"{m}.weight_scale_inv" for m, _ in MEMBERS[:3]}
@@ -551,6 +568,29 @@ def test_fused_nvfp4_members_keep_their_global_scales_in_the_gemv(monkeypatch):
     for g, w_ in zip(lin.split(got), lin.split(want)):                   # each member at its own scale
         assert rel_err(g, w_) < 4e-3
     assert rel_err(lin(jnp.concatenate([x, x], axis=1), norm=norm)[:, :1], want) < 4e-3 and len(calls) == 1
+
+
+def test_fused_nvfp4_members_off_the_16_row_items_take_the_norm_outside():
+    """Members of 24 and 8 rows (NVFP4's one-row GEMV scales whole 16-row items): the norm is
+    not fused, the layer still computes what the unfused ops do."""
+    from kk_jax.models.layers.linear import gemv_fuses
+    from kk_jax.models.layers.norm import RMSNorm
+
+    k, members = 512, [("k_proj", 24), ("v_proj", 8)]
+    rng = np.random.default_rng(3)
+    ws = [rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k) * 4 ** i for i, (_, n) in enumerate(members)]
+    lin = FusedLinear(k, members, jnp.bfloat16, axes=("heads", "embed"))
+    lin.quantize_("nvfp4")
+    for i, sfx in enumerate(SUFFIXES["nvfp4"]):
+        parts = [np.asarray(nvfp4.quantize(w)[i]) for w in ws]
+        value = np.stack(parts) if parts[0].ndim == 0 else np.concatenate(parts)
+        getattr(lin, sfx).value = jnp.asarray(value.T if sfx == "weight_scale" else value)
+    norm = RMSNorm(k, 1e-6, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)
+    want = lin(norm(x))                                                  # xla backend
+    lin.backend, lin.interpret = "pallas", True
+    assert not gemv_fuses(lin, x, norm, None)
+    assert rel_err(lin(x, norm=norm), want) < 4e-3
 
 
 def test_fused_norm_and_residual_run_per_shard_inside_shard_map(monkeypatch):

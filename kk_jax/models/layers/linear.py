@@ -298,8 +298,9 @@ def quantize_linears(model: nnx.Module, qcfg: QuantConfig | None, *, tensor_name
 
     Call it on a freshly built (or abstract) model, before loading. ``tensor_names`` (the
     checkpoint's tensor names) decides block-FP8 membership and NVFP4's optional
-    ``input_scale``. Raises QuantLayoutError, naming the layers, for a FusedLinear whose members
-    do not share one format. Returns the names of the quantized layers.
+    ``input_scale``. Raises one QuantLayoutError naming every layer that cannot be quantized as
+    declared (a FusedLinear whose members do not share one format, shapes the format cannot
+    block). Returns the names of the quantized layers.
     """
     names = set(tensor_names) if tensor_names is not None else None
     done, problems = [], []
@@ -314,22 +315,24 @@ def quantize_linears(model: nnx.Module, qcfg: QuantConfig | None, *, tensor_name
                 problems.append(f"{name or 'fused'}: cannot fuse {mx} along N: {desc}")
                 continue
             method = kinds.pop()
-            opt = _optional(method, [m for m, _ in module.members], names)
-            module.quantize_(method, block=qcfg.block if qcfg else (128, 128), optional=opt, backend=backend,
-                             mesh=mesh, act_quant=act_quant, interpret=interpret, name=name)
+            members = [m for m, _ in module.members]
         elif isinstance(module, Linear):
             method = qcfg.method_for(name, names) if qcfg is not None else None
-            if method:
-                module.quantize_(method, block=qcfg.block, optional=_optional(method, [name], names),
-                                 backend=backend, mesh=mesh, act_quant=act_quant, interpret=interpret, name=name)
+            members = [name]
         else:
             continue
         if method:
+            try:
+                module.quantize_(method, block=qcfg.block, optional=_optional(method, members, names),
+                                 backend=backend, mesh=mesh, act_quant=act_quant, interpret=interpret, name=name)
+            except QuantLayoutError as e:        # reported with every other layer's problem
+                problems.append(str(e))
+                continue
             done.append(name)
         else:                       # unquantized: decode-sized inputs on the dense backend
             module.backend, module.mesh, module.interpret = dense_backend, mesh, interpret
     if problems:
-        raise QuantLayoutError(f"{len(problems)} fused projection(s) mix quantization formats "
+        raise QuantLayoutError(f"{len(problems)} layer(s) cannot take the checkpoint's quantization "
                                "(nothing was loaded):\n  " + "\n  ".join(problems))
     return done
 
@@ -506,7 +509,9 @@ def gemv_fuses(linear, x: jax.Array, norm, residual, glu: bool = False) -> bool:
     inside it: a decode row (one bf16 row) on the pallas backend, W8A16 with 128x128 blocks if
     block FP8, no bias, K not split over tensor-parallel shards, shapes the GEMV serves
     (`row_gemv.supported`, `row_gemv.fusable`); for a residual a plain Linear (a fused layer's
-    output is split, NVFP4's scaled after the kernel), for glu a fusion of two equal members."""
+    output is split, NVFP4's scaled after the kernel), for glu a fusion of two equal members; a
+    fused NVFP4 layer's members (per shard) in whole 16-row items, as its per-member global
+    scales need."""
     from pallas_kernels import row_gemv
 
     if norm is None and residual is None and not glu:
@@ -524,6 +529,9 @@ def gemv_fuses(linear, x: jax.Array, norm, residual, glu: bool = False) -> bool:
     if residual is not None and (residual.dtype != jnp.bfloat16 or isinstance(linear, FusedLinear)):
         return False
     if norm is not None and norm.weight[...].shape != (x.shape[-1],):
+        return False
+    if (isinstance(linear, FusedLinear) and linear.quant == "nvfp4"     # each member's scale: whole items
+            and any(m // linear.shards % row_gemv.ROWS for _, m in linear.members)):
         return False
     n, k = linear.out_features // _tp_shards(linear.axes, linear.mesh, 0), linear.in_features
     return (_gemv_module(linear.quant).supported(1, n, k)
