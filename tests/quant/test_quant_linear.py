@@ -540,6 +540,19 @@ def test_swiglu_gemv_runs_per_shard_on_the_interleaved_gate_up(monkeypatch):
     assert got.shape == (1, n) and rel_err(got, silu_times(gate, up)) < 4e-3
 
 
+def _fused_nvfp4(k, members, rng):
+    """An NVFP4 FusedLinear of random members, member i's weights scaled by 4^i (so their global
+    scales differ), loaded as a checkpoint would be."""
+    ws = [rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k) * 4 ** i for i, (_, n) in enumerate(members)]
+    lin = FusedLinear(k, members, jnp.bfloat16, axes=("heads", "embed"))
+    lin.quantize_("nvfp4")
+    for i, sfx in enumerate(SUFFIXES["nvfp4"]):
+        parts = [np.asarray(nvfp4.quantize(w)[i]) for w in ws]
+        value = np.stack(parts) if parts[0].ndim == 0 else np.concatenate(parts)
+        getattr(lin, sfx).value = jnp.asarray(value.T if sfx == "weight_scale" else value)
+    return lin
+
+
 def test_fused_nvfp4_members_keep_their_global_scales_in_the_gemv(monkeypatch):
     """q / k / v-like NVFP4 members with different global scales, fused: at one decode row the
     GEMV applies each member's scale to its rows (and the norm) and rounds once, as the
@@ -549,13 +562,7 @@ def test_fused_nvfp4_members_keep_their_global_scales_in_the_gemv(monkeypatch):
 
     k, members = 1024, [("q_proj", 256), ("k_proj", 64), ("v_proj", 64)]
     rng = np.random.default_rng(9)
-    ws = [rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k) * 4 ** i for i, (_, n) in enumerate(members)]
-    lin = FusedLinear(k, members, jnp.bfloat16, axes=("heads", "embed"))
-    lin.quantize_("nvfp4")
-    for i, sfx in enumerate(SUFFIXES["nvfp4"]):
-        parts = [np.asarray(nvfp4.quantize(w)[i]) for w in ws]
-        value = np.stack(parts) if parts[0].ndim == 0 else np.concatenate(parts)
-        getattr(lin, sfx).value = jnp.asarray(value.T if sfx == "weight_scale" else value)
+    lin = _fused_nvfp4(k, members, rng)
     norm = RMSNorm(k, 1e-6, jnp.bfloat16)
     norm.weight.value = jnp.asarray(1 + rng.standard_normal(k) / 10, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((1, 1, k)) * 3, jnp.bfloat16)
@@ -578,13 +585,7 @@ def test_fused_nvfp4_members_off_the_16_row_items_take_the_norm_outside():
 
     k, members = 512, [("k_proj", 24), ("v_proj", 8)]
     rng = np.random.default_rng(3)
-    ws = [rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k) * 4 ** i for i, (_, n) in enumerate(members)]
-    lin = FusedLinear(k, members, jnp.bfloat16, axes=("heads", "embed"))
-    lin.quantize_("nvfp4")
-    for i, sfx in enumerate(SUFFIXES["nvfp4"]):
-        parts = [np.asarray(nvfp4.quantize(w)[i]) for w in ws]
-        value = np.stack(parts) if parts[0].ndim == 0 else np.concatenate(parts)
-        getattr(lin, sfx).value = jnp.asarray(value.T if sfx == "weight_scale" else value)
+    lin = _fused_nvfp4(k, members, rng)
     norm = RMSNorm(k, 1e-6, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)
     want = lin(norm(x))                                                  # xla backend
