@@ -166,7 +166,9 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--backends", nargs="+", default=["pallas", "xla"])
+    ap.add_argument("--backends", nargs="+", default=None,
+                    help="attention kernel backends (default pallas xla; with --tiny xla: the tiny model's "
+                         "16-wide heads are not the Pallas kernel's)")
     ap.add_argument("--dense-decode-backends", nargs="+", default=["auto"],
                     help="unquantized linears at decode, per kernel backend: auto | pallas | xla (several: A/B)")
     ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
@@ -184,6 +186,7 @@ def main():
     if args.fp8_activations and args.quant != "fp8_block":
         ap.error("--fp8-activations needs --quant fp8_block")
     cfg = TINY if args.tiny else QWEN3_8B
+    args.backends = args.backends or (["xla"] if args.tiny else ["pallas", "xla"])
     if args.layers:
         cfg = Qwen3Config(**{**cfg.__dict__, "num_hidden_layers": args.layers})
     print(f"device: {jax.devices()[0].device_kind}  model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}")
