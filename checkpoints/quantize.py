@@ -171,10 +171,11 @@ def quantize_checkpoint(src, dst, algo: str, exclude: list[str] | tuple = (), pr
                 arr = LazyTensor(tensors[name])[...]
                 module, _, suffix = name.rpartition(".")
                 if suffix == "weight" and module in targets:
-                    if not np.isfinite(arr.astype(np.float32)).all():
+                    w32 = arr.astype(np.float32)                  # one copy, checked and quantized
+                    if not np.isfinite(w32).all():
                         raise QuantizeError(f"{name} holds inf or NaN values, which no scale can represent; "
                                             f"fix the checkpoint or add --exclude {module}")
-                    for sfx, q in quantize_tensor(algo, arr).items():
+                    for sfx, q in quantize_tensor(algo, w32).items():
                         out[f"{module}.{sfx}"] = np.array(q, order="C")        # keeps 0-d scalars 0-d
                     if progress:
                         print(f"  {module}: {algo}", file=sys.stderr)

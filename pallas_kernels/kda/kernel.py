@@ -751,10 +751,11 @@ def _scan_call(w, qg, kg, u, a, gl, cs, ncs, init, ck_row, *, out_dtype, num_ckp
   None; ck_row [NC] int32 or None: the row of the checkpoint output that takes the state
   after chunk c, -1 for none; vt the V tile (`_scan_v_tile`). Returns o [NC,C,HV,V]
   (out_dtype; rows of unused chunk slots are unwritten), final [N,HV,K,V] f32 and, when
-  ck_row is given, checkpoints [max(num_ckpt, 1),HV,K,V] f32 (rows no chunk names unwritten). The operands of up to `_SCAN_STAGES` chunks are loaded or in flight
-  at once (three fit in shared memory at 32-wide V tiles: 1.2 % faster at K = 64, T = 32K,
-  H = 32, within the noise at K = 128; two at 64-wide tiles). The step waits on its loads
-  (L2 bandwidth: 128 CTAs take in ~6 TB/s), hence `_SCAN_CLUSTER`.
+  ck_row is given, checkpoints [max(num_ckpt, 1),HV,K,V] f32 (rows no chunk names are
+  unwritten). The operands of up to `_SCAN_STAGES` chunks are loaded or in flight at once
+  (three fit in shared memory at 32-wide V tiles: 1.2 % faster at K = 64, T = 32K, H = 32,
+  within the noise at K = 128; two at 64-wide tiles). The step waits on its loads (L2
+  bandwidth: 128 CTAs take in ~6 TB/s), hence `_SCAN_CLUSTER`.
   """
   nct, hv, c, kd = w.shape
   vd = u.shape[-1]
@@ -990,8 +991,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
       rows = min(seq.shape[0], num_ckpt)
     ck_row = ck_row.astype(jnp.int32)
   outs = _scan_call(w, qg, kg, u, a, gl, cs, ncs, init, ck_row, out_dtype=v.dtype,
-                    num_ckpt=rows, vt=_scan_v_tile(n, hv, vd),
-                    interpret=interpret)
+                    num_ckpt=rows, vt=_scan_v_tile(n, hv, vd), interpret=interpret)
   oc, final = outs[0], outs[1]
   if out_idx is None:
     o = oc.reshape(b, -1, hv, vd)[:, :t]
